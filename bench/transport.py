@@ -1,0 +1,81 @@
+"""Transport-bound benchmark: shmloader vs torch's DataLoader, side by side.
+
+``__getitem__`` returns a preallocated tensor, so only transport and collation are
+measured. Workloads (DESIGN.md): tiny = 32 x float32[16], tokens = 64 x int64[512],
+image = 128 x uint8[3,224,224]. num_workers=2, prefetch_factor=2, persistent workers.
+
+    python bench/transport.py [--seconds 3] [--workloads tiny,tokens,image]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import torch
+import torch.utils.data
+
+import shmloader
+
+WORKLOADS = {
+    "tiny": (32, (16,), torch.float32),
+    "tokens": (64, (512,), torch.int64),
+    "image": (128, (3, 224, 224), torch.uint8),
+}
+
+
+class Ready(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, n: int = 1 << 20) -> None:
+        self.item = torch.ones(shape, dtype=dtype)
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.item
+
+
+def rate(loader: torch.utils.data.DataLoader, seconds: float) -> float:  # type: ignore[type-arg]
+    it = iter(loader)
+    for _ in range(20):  # warm up: workers started, ring sized, pages touched
+        next(it)
+    n = 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(10):
+            next(it)
+        n += 10
+    elapsed = time.perf_counter() - start
+    del it
+    return n / elapsed
+
+
+def make(cls: type, workload: str, workers: int, prefetch: int) -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
+    bs, shape, dtype = WORKLOADS[workload]
+    return cls(Ready(shape, dtype), batch_size=bs, num_workers=workers, prefetch_factor=prefetch,
+               persistent_workers=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--workloads", default="tiny,tokens,image")
+    p.add_argument("--num-workers", type=int, default=2)
+    p.add_argument("--prefetch-factor", type=int, default=2)
+    a = p.parse_args()
+    print(f"# {time.strftime('%Y-%m-%d')} {platform.machine()} {torch.__version__} "
+          f"num_workers={a.num_workers} prefetch_factor={a.prefetch_factor} seconds={a.seconds}")
+    print(f"| workload | batch bytes | torch batches/s | shmloader batches/s | shmloader GB/s | ratio |")
+    print("|---|---|---|---|---|---|")
+    for w in a.workloads.split(","):
+        bs, shape, dtype = WORKLOADS[w]
+        nbytes = bs * torch.Size(shape).numel() * dtype.itemsize
+        t = rate(make(torch.utils.data.DataLoader, w, a.num_workers, a.prefetch_factor), a.seconds)
+        s = rate(make(shmloader.DataLoader, w, a.num_workers, a.prefetch_factor), a.seconds)
+        print(f"| {w} | {nbytes:,} | {t:,.0f} | {s:,.0f} | {s * nbytes / 1e9:.2f} | {s / t:.1f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+/*
+ * shmloader._native: the slot header codec.
+ *
+ * A slot's leaf table lists every array the worker wrote into the slot's data
+ * region: dtype code, kind (torch tensor or numpy array), byte offset, byte
+ * length and shape.  The worker encodes it once per batch; the main process
+ * decodes it and bounds-checks every entry before any tensor is built over
+ * slot memory, so a corrupted or hostile header raises ValueError instead of
+ * reading outside the slot.
+ *
+ * Wire format (native byte order, all fields 8-byte aligned):
+ *   u32 magic 'SHLT' | u32 count
+ *   count x { u8 code | u8 kind | u8 ndim | u8 0 | u32 0 | u64 offset |
+ *             u64 nbytes | i64 shape[ndim] }
+ *
+ * Functions take buffers and plain tuples; they hold no Python object graph.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define TABLE_MAGIC 0x544C4853u /* "SHLT" little-endian */
+#define MAX_NDIM 32
+#define ENTRY_FIXED 24
+#define LEAF_ALIGN 64
+#define N_KINDS 2
+
+/* Item sizes indexed by dtype code; the order is fixed by shmloader/_layout.py. */
+static const uint8_t ITEMSIZE[] = {
+    1,  /* 0 bool */
+    1,  /* 1 uint8 */
+    1,  /* 2 int8 */
+    2,  /* 3 int16 */
+    4,  /* 4 int32 */
+    8,  /* 5 int64 */
+    2,  /* 6 float16 */
+    2,  /* 7 bfloat16 */
+    4,  /* 8 float32 */
+    8,  /* 9 float64 */
+    8,  /* 10 complex64 */
+    16, /* 11 complex128 */
+    2,  /* 12 uint16 */
+    4,  /* 13 uint32 */
+    8,  /* 14 uint64 */
+};
+#define N_CODES ((int)(sizeof(ITEMSIZE) / sizeof(ITEMSIZE[0])))
+
+typedef struct {
+    uint8_t code, kind, ndim, pad0;
+    uint32_t pad1;
+    uint64_t offset;
+    uint64_t nbytes;
+} entry_head;
+
+/* nbytes of a leaf, or -1 on overflow / bad shape. */
+static int64_t leaf_nbytes(int code, const int64_t *shape, int ndim) {
+    uint64_t n = ITEMSIZE[code];
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] < 0) return -1;
+        uint64_t d = (uint64_t)shape[i];
+        if (d != 0 && n > (UINT64_MAX >> 1) / d) return -1;
+        n *= d;
+    }
+    if (n > (uint64_t)INT64_MAX) return -1;
+    return (int64_t)n;
+}
+
+PyDoc_STRVAR(encode_table_doc,
+"encode_table(buffer, offset, limit, leaves) -> int\n"
+"--\n\n"
+"Write the leaf table for `leaves`, a sequence of (code, kind, offset, shape)\n"
+"tuples, into the writable `buffer` at `offset`, using at most `limit` bytes.\n"
+"Returns the number of bytes written; raises ValueError if it does not fit\n"
+"or an entry is malformed.");
+
+static PyObject *encode_table(PyObject *self, PyObject *args) {
+    Py_buffer view;
+    Py_ssize_t offset, limit;
+    PyObject *leaves;
+    if (!PyArg_ParseTuple(args, "w*nnO", &view, &offset, &limit, &leaves)) return NULL;
+    PyObject *seq = PySequence_Fast(leaves, "leaves must be a sequence");
+    if (seq == NULL) { PyBuffer_Release(&view); return NULL; }
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    if (offset < 0 || limit < 0 || offset > view.len || limit > view.len - offset) {
+        PyErr_Format(PyExc_ValueError, "table area [%zd, +%zd) outside buffer of %zd bytes",
+                     offset, limit, view.len);
+        goto fail;
+    }
+    char *base = (char *)view.buf + offset;
+    Py_ssize_t pos = 8;
+    if (pos > limit) goto too_small;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int code, kind;
+        long long loff;
+        PyObject *shape;
+        if (!PyArg_ParseTuple(items[i], "iiLO;leaf must be (code, kind, offset, shape)",
+                              &code, &kind, &loff, &shape)) goto fail;
+        if (code < 0 || code >= N_CODES || kind < 0 || kind >= N_KINDS || loff < 0) {
+            PyErr_Format(PyExc_ValueError, "leaf %zd: bad code %d, kind %d or offset %lld",
+                         i, code, kind, loff);
+            goto fail;
+        }
+        PyObject *sseq = PySequence_Fast(shape, "shape must be a sequence");
+        if (sseq == NULL) goto fail;
+        Py_ssize_t ndim = PySequence_Fast_GET_SIZE(sseq);
+        if (ndim > MAX_NDIM) {
+            Py_DECREF(sseq);
+            PyErr_Format(PyExc_ValueError, "leaf %zd has %zd dimensions (at most %d)", i, ndim, MAX_NDIM);
+            goto fail;
+        }
+        Py_ssize_t need = ENTRY_FIXED + 8 * ndim;
+        if (need > limit - pos) { Py_DECREF(sseq); goto too_small; }
+        int64_t dims[MAX_NDIM];
+        for (Py_ssize_t d = 0; d < ndim; d++) {
+            dims[d] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(sseq, d));
+            if (dims[d] == -1 && PyErr_Occurred()) { Py_DECREF(sseq); goto fail; }
+        }
+        Py_DECREF(sseq);
+        int64_t nbytes = leaf_nbytes(code, dims, (int)ndim);
+        if (nbytes < 0) {
+            PyErr_Format(PyExc_ValueError, "leaf %zd has a negative or overflowing shape", i);
+            goto fail;
+        }
+        entry_head h = {(uint8_t)code, (uint8_t)kind, (uint8_t)ndim, 0, 0,
+                        (uint64_t)loff, (uint64_t)nbytes};
+        memcpy(base + pos, &h, sizeof h);
+        memcpy(base + pos + ENTRY_FIXED, dims, 8 * (size_t)ndim);
+        pos += need;
+    }
+    uint32_t head[2] = {TABLE_MAGIC, (uint32_t)count};
+    memcpy(base, head, sizeof head);
+    Py_DECREF(seq);
+    PyBuffer_Release(&view);
+    return PyLong_FromSsize_t(pos);
+too_small:
+    PyErr_Format(PyExc_ValueError, "leaf table of %zd leaves does not fit in %zd bytes", count, limit);
+fail:
+    Py_DECREF(seq);
+    PyBuffer_Release(&view);
+    return NULL;
+}
+
+PyDoc_STRVAR(decode_table_doc,
+"decode_table(buffer, offset, length, data_limit) -> list[tuple]\n"
+"--\n\n"
+"Decode and validate the leaf table stored in `buffer[offset:offset+length]`.\n"
+"Every leaf must have a known dtype code and kind, a non-negative shape whose\n"
+"byte size matches its recorded length, an offset aligned to 64 bytes, and lie\n"
+"entirely inside [0, data_limit). Returns a list of\n"
+"(code, kind, offset, nbytes, shape) tuples; raises ValueError naming the first\n"
+"violation.");
+
+static PyObject *decode_table(PyObject *self, PyObject *args) {
+    Py_buffer view;
+    Py_ssize_t offset, length;
+    long long data_limit;
+    if (!PyArg_ParseTuple(args, "y*nnL", &view, &offset, &length, &data_limit)) return NULL;
+    PyObject *out = NULL;
+    if (offset < 0 || length < 8 || offset > view.len || length > view.len - offset || data_limit < 0) {
+        PyErr_Format(PyExc_ValueError, "leaf table [%zd, +%zd) outside buffer of %zd bytes",
+                     offset, length, view.len);
+        goto done;
+    }
+    const char *base = (const char *)view.buf + offset;
+    uint32_t head[2];
+    memcpy(head, base, sizeof head);
+    if (head[0] != TABLE_MAGIC) {
+        PyErr_Format(PyExc_ValueError, "leaf table magic is 0x%08x, expected 0x%08x", head[0], TABLE_MAGIC);
+        goto done;
+    }
+    Py_ssize_t count = head[1];
+    if (count > (length - 8) / ENTRY_FIXED) {
+        PyErr_Format(PyExc_ValueError, "leaf table claims %zd leaves but holds %zd bytes", count, length);
+        goto done;
+    }
+    out = PyList_New(count);
+    if (out == NULL) goto done;
+    Py_ssize_t pos = 8;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        entry_head h;
+        if (ENTRY_FIXED > length - pos) goto truncated;
+        memcpy(&h, base + pos, sizeof h);
+        if (h.code >= N_CODES || h.kind >= N_KINDS || h.ndim > MAX_NDIM) {
+            PyErr_Format(PyExc_ValueError, "leaf %zd: unknown dtype code %u, kind %u or ndim %u",
+                         i, h.code, h.kind, h.ndim);
+            goto fail;
+        }
+        Py_ssize_t need = ENTRY_FIXED + 8 * (Py_ssize_t)h.ndim;
+        if (need > length - pos) goto truncated;
+        int64_t dims[MAX_NDIM];
+        memcpy(dims, base + pos + ENTRY_FIXED, 8 * (size_t)h.ndim);
+        int64_t nbytes = leaf_nbytes(h.code, dims, h.ndim);
+        if (nbytes < 0 || (uint64_t)nbytes != h.nbytes) {
+            PyErr_Format(PyExc_ValueError, "leaf %zd: shape does not match its %llu bytes",
+                         i, (unsigned long long)h.nbytes);
+            goto fail;
+        }
+        if (h.offset % LEAF_ALIGN != 0 || h.offset > (uint64_t)data_limit ||
+            h.nbytes > (uint64_t)data_limit - h.offset) {
+            PyErr_Format(PyExc_ValueError, "leaf %zd: bytes [%llu, +%llu) outside the %lld-byte data region",
+                         i, (unsigned long long)h.offset, (unsigned long long)h.nbytes, data_limit);
+            goto fail;
+        }
+        PyObject *shape = PyTuple_New(h.ndim);
+        if (shape == NULL) goto fail;
+        for (int d = 0; d < h.ndim; d++) {
+            PyObject *v = PyLong_FromLongLong(dims[d]);
+            if (v == NULL) { Py_DECREF(shape); goto fail; }
+            PyTuple_SET_ITEM(shape, d, v);
+        }
+        PyObject *item = Py_BuildValue("(iiKKN)", h.code, h.kind, (unsigned long long)h.offset,
+                                       (unsigned long long)h.nbytes, shape);
+        if (item == NULL) goto fail;
+        PyList_SET_ITEM(out, i, item);
+        pos += need;
+    }
+    goto done;
+truncated:
+    PyErr_Format(PyExc_ValueError, "leaf table truncated: %zd leaves do not fit in %zd bytes", count, length);
+fail:
+    Py_CLEAR(out);
+done:
+    PyBuffer_Release(&view);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"encode_table", encode_table, METH_VARARGS, encode_table_doc},
+    {"decode_table", decode_table, METH_VARARGS, decode_table_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "shmloader._native",
+    "Slot header codec of shmloader (see native/_native.c).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddIntConstant(m, "N_CODES", N_CODES) < 0 ||
+        PyModule_AddIntConstant(m, "LEAF_ALIGN", LEAF_ALIGN) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_NDIM", MAX_NDIM) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,37 @@
+"""shmloader: a drop-in torch DataLoader over a ring of shared-memory slots.
+
+The public surface is this module; everything else is private, one stage of a
+batch's journey per file (see shmloader/README.md):
+
+    _loader.py    DataLoader facade: torch's arguments, lifecycle, async iteration
+    _consume.py   main-process iterator: start-up, sync/async waits, order, errors
+    _dispatch.py  sampler indices -> tasks in free slots, worker choice
+    _pool.py      worker processes: start, watch, stop
+    _worker.py    worker loop: fetch, collate into the slot, signal
+    _collate.py   collate straight into slot memory; leaf pickling
+    _lease.py     slot -> batch views, and back to the ring when dropped
+    _ring.py      the segment, its semaphores, header and queue views
+    _layout.py    the byte layout shared by writer and reader
+    _shm.py       POSIX shared memory and semaphores: create, attach, unlink
+    _native       C: leaf-table codec (native/_native.c)
+"""
+
+from torch.utils.data import get_worker_info as get_worker_info
+
+from ._errors import BatchTooLargeError as BatchTooLargeError
+from ._errors import CorruptSlotError as CorruptSlotError
+from ._errors import SharedMemoryFullError as SharedMemoryFullError
+from ._errors import ShmLoaderError as ShmLoaderError
+from ._errors import WorkerDiedError as WorkerDiedError
+from ._loader import DataLoader as DataLoader
+
+__all__ = [
+    "BatchTooLargeError",
+    "CorruptSlotError",
+    "DataLoader",
+    "SharedMemoryFullError",
+    "ShmLoaderError",
+    "WorkerDiedError",
+    "get_worker_info",
+]
+__version__ = "0.1.0"

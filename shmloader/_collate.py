@@ -1,0 +1,185 @@
+"""Collate into a slot (worker side).
+
+``SlotWriter`` is a bump allocator over one slot's data region. The default collate
+runs torch's own ``collate`` recursion with a function map whose tensor entry stacks
+the samples straight into slot memory (``torch.stack(..., out=view)``), so no
+intermediate batch tensor exists. Whatever else the batch holds (a custom
+``collate_fn``'s tensors, numpy arrays, numbers) is copied in once while the batch's
+skeleton is pickled: the pickler's ``persistent_id`` turns every tensor and numpy
+array into a leaf of the slot, so only metadata is pickled.
+
+When a batch does not fit, the writer keeps measuring into private memory and
+reports the bytes it needed. A writer without a segment (the probe that sizes the
+ring) measures only.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import pickle
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch.utils.data._utils import collate as torch_collate
+
+from . import _native
+from ._layout import CODE_OF_DTYPE, CODE_OF_NP_DTYPE, LEAF_ALIGN, Kind, round_up
+
+Leaf = tuple[int, int, int, tuple[int, ...]]  # (dtype code, kind, offset, shape)
+
+
+class SlotWriter:
+    """Allocates leaves in one slot's data region and records the leaf table."""
+
+    def __init__(self, mm: Any = None) -> None:
+        self._mm = mm
+        self._bytes = None if mm is None else np.frombuffer(mm, dtype=np.uint8)
+        self._slab = None if mm is None else torch.from_numpy(self._bytes)
+        self.begin(0, 0)
+
+    def begin(self, data_off: int, capacity: int) -> None:
+        self.data_off = data_off
+        self.capacity = capacity if self._mm is not None else 0
+        self.used = 0
+        self.fits = True
+        self.leaves: list[Leaf] = []
+        self._ids: dict[int, int] = {}
+        self._keep: list[object] = []
+
+    def _place(self, nbytes: int) -> int | None:
+        """Offset for ``nbytes`` more bytes, or None once the batch no longer fits."""
+        off = round_up(self.used, LEAF_ALIGN)
+        self.used = off + nbytes
+        if self.used > self.capacity:
+            self.fits = False
+        return off if self.fits else None
+
+    def _record(self, obj: object, code: int, kind: Kind, off: int, shape: tuple[int, ...]) -> int:
+        leaf_id = len(self.leaves)
+        self.leaves.append((code, int(kind), off, shape))
+        self._ids[id(obj)] = leaf_id
+        self._keep.append(obj)
+        return leaf_id
+
+    def tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """An uninitialised tensor in the slot (or in private memory once it overflowed)."""
+        code = CODE_OF_DTYPE[dtype]
+        nbytes = dtype.itemsize * _numel(shape)
+        off = self._place(nbytes)
+        if off is None:
+            out = torch.empty(shape, dtype=dtype)
+        else:
+            assert self._slab is not None
+            start = self.data_off + off
+            out = self._slab[start : start + nbytes].view(dtype).view(shape)
+        self._record(out, code, Kind.TENSOR, self.used - nbytes, shape)
+        return out
+
+    def array(self, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
+        code = CODE_OF_NP_DTYPE[dtype]
+        nbytes = dtype.itemsize * _numel(shape)
+        off = self._place(nbytes)
+        if off is None:
+            out: np.ndarray[Any, Any] = np.empty(shape, dtype=dtype)
+        else:
+            assert self._bytes is not None
+            start = self.data_off + off
+            out = self._bytes[start : start + nbytes].view(dtype).reshape(shape)
+        self._record(out, code, Kind.NUMPY, self.used - nbytes, shape)
+        return out
+
+    def leaf_id(self, obj: object) -> int | None:
+        """Leaf id for a tensor or array in the batch, copying it into the slot if needed."""
+        known = self._ids.get(id(obj))
+        if known is not None:
+            return known
+        if isinstance(obj, torch.Tensor):
+            if (
+                type(obj) is not torch.Tensor
+                or obj.layout is not torch.strided
+                or obj.device.type != "cpu"
+                or obj.requires_grad
+                or obj.dtype not in CODE_OF_DTYPE
+            ):
+                return None
+            self.tensor(obj.dtype, tuple(obj.shape)).copy_(obj)
+            return len(self.leaves) - 1
+        if type(obj) is np.ndarray and obj.dtype in CODE_OF_NP_DTYPE:
+            np.copyto(self.array(obj.dtype, obj.shape), obj, casting="no")
+            return len(self.leaves) - 1
+        return None
+
+    def finish(self, batch: object) -> int:
+        """Pickle ``batch``'s skeleton and write it with the leaf table.
+
+        Returns the bytes the batch needs; when that exceeds the slot's capacity
+        nothing usable was written and the caller reports the size.
+        """
+        buf = io.BytesIO()
+        _LeafPickler(buf, self).dump(batch)
+        meta = buf.getbuffer()
+        self.meta_off = round_up(self.used, 8)
+        self.meta_len = len(meta)
+        self.table_off = round_up(self.meta_off + self.meta_len, 8)
+        self.table_len = 8 + sum(24 + 8 * len(leaf[3]) for leaf in self.leaves)
+        needed = self.table_off + self.table_len
+        if not self.fits or needed > self.capacity:
+            self.fits = False
+            return needed
+        assert self._bytes is not None
+        start = self.data_off + self.meta_off
+        self._bytes[start : start + self.meta_len] = np.frombuffer(meta, dtype=np.uint8)
+        _native.encode_table(self._mm, self.data_off + self.table_off, self.table_len, self.leaves)
+        self._keep.clear()
+        return needed
+
+
+class _LeafPickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO, writer: SlotWriter) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._leaf_id = writer.leaf_id
+
+    def persistent_id(self, obj: object) -> int | None:
+        if isinstance(obj, (torch.Tensor, np.ndarray)):
+            return self._leaf_id(obj)
+        return None
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _stack_into_slot(
+    writer: SlotWriter, batch: list[torch.Tensor], *, collate_fn_map: dict[Any, Callable[..., Any]] | None = None
+) -> torch.Tensor:
+    """``collate_tensor_fn`` that stacks into slot memory instead of a new segment."""
+    elem = batch[0]
+    if elem.is_nested or elem.layout is not torch.strided or elem.device.type != "cpu":
+        return torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+    dtype = elem.dtype
+    for t in batch:
+        if t.dtype is not dtype:
+            dtype = functools.reduce(torch.promote_types, (t.dtype for t in batch))
+            break
+    if dtype not in CODE_OF_DTYPE:
+        return torch.stack(batch, 0)
+    # Mismatched shapes: let torch.stack raise its own error before we allocate.
+    shape = elem.shape
+    for t in batch:
+        if t.shape != shape:
+            return torch.stack(batch, 0)
+    return torch.stack(batch, 0, out=writer.tensor(dtype, (len(batch), *shape)))
+
+
+def slot_collate_map(writer: SlotWriter) -> dict[Any, Callable[..., Any]]:
+    """torch's ``default_collate_fn_map`` (user additions included) with the tensor
+    entry replaced by a stack into ``writer``'s slot."""
+    fn_map = dict(torch_collate.default_collate_fn_map)
+    if fn_map.get(torch.Tensor) is torch_collate.collate_tensor_fn:
+        fn_map[torch.Tensor] = functools.partial(_stack_into_slot, writer)
+    return fn_map

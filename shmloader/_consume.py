@@ -1,0 +1,414 @@
+"""The main process's iterator: start-up, waiting (sync and async), ordering, errors.
+
+One generator, ``_steps``, holds all the logic of producing the next batch; it
+yields a *wait request* whenever nothing is ready. ``__next__`` fulfils requests by
+blocking on the ready semaphore in short timed waits (so worker deaths and timeouts
+are noticed); ``__anext__`` fulfils them by awaiting the doorbell eventfd and the
+workers' process sentinels on the running event loop: no helper thread, no polling.
+
+Invariants:
+- a slot is in exactly one of: free, in flight (``_inflight``), ready (``_ready``),
+  lent to the user (``Leases``);
+- each token of the ready semaphore stands for one in-flight slot whose header says
+  DONE (the worker sets DONE before it posts);
+- a result whose epoch is not the current one is discarded and its slot freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import time
+import weakref
+from multiprocessing import connection as mp_connection
+from typing import Any, Generator
+
+import posix_ipc
+import torch
+from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
+
+from ._dispatch import Dispatcher
+from ._errors import BatchTooLargeError, CorruptSlotError
+from ._layout import DONE, F, RingGeometry, Status, slot_data_bytes
+from ._lease import Leases, leaves_of, read_batch, read_meta, slot_of
+from ._pool import WorkerPool
+from ._ring import Ring
+from ._worker import WorkerConfig
+
+CHECK_S = 0.25  # how often a blocked sync wait checks worker liveness
+_END = object()
+_READY = ("ready",)
+
+
+class RingIterator(_BaseDataLoaderIter):
+    """Iterator over a DataLoader with ``num_workers > 0`` (sync and async)."""
+
+    def __init__(self, loader: Any) -> None:
+        super().__init__(loader)
+        self._loader = weakref.ref(loader)
+        self._in_order: bool = loader.in_order
+        self._num_slots: int = self._num_workers * loader.prefetch_factor
+        self._slot_bytes: int | None = loader.slot_bytes or loader._shm_measured_bytes
+        self._iterable = self._dataset_kind == _DatasetKind.Iterable
+        self._shutdown = True  # until the workers exist
+        self._ring: Ring | None = None
+        self._started = False
+        self._deadline: float | None = None
+        self._epoch = 0
+        self._banked = 0
+        self._free: list[int] = []
+        self._inflight: dict[int, tuple[int, int, int]] = {}  # slot -> (worker, epoch, seq)
+        self._ready: dict[int, int | None] = {}  # seq -> slot (None: nothing to yield)
+        self._dispatcher = Dispatcher(self._num_workers, self._iterable)
+        self._leases = Leases(self._num_slots)
+        self.copies = 0  # batches delivered as copies because the user held the ring
+        ctx = loader.multiprocessing_context or torch.multiprocessing
+        self._doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        configs = [
+            WorkerConfig(
+                worker_id=i,
+                num_workers=self._num_workers,
+                dataset=self._dataset,
+                iterable=self._iterable,
+                auto_collation=self._auto_collation,
+                collate_fn=self._collate_fn,
+                drop_last=self._drop_last,
+                base_seed=self._base_seed,
+                worker_init_fn=loader.worker_init_fn,
+                parent_pid=os.getpid(),
+            )
+            for i in range(self._num_workers)
+        ]
+        try:
+            self._pool = WorkerPool(ctx, configs, self._doorbell)
+        except BaseException:
+            os.close(self._doorbell)
+            raise
+        self._shutdown = False
+        self._reset(loader, first_iter=True)
+
+    # ---------------------------------------------------------------- epochs
+    def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        super()._reset(loader, first_iter)
+        if not first_iter:
+            self._epoch += 1
+        for slot in self._ready.values():
+            if slot is not None:
+                self._free.append(slot)
+        self._ready = {}
+        self._outstanding = 0
+        self._send_seq = 0
+        self._rcvd_seq = 0
+        self._sampler_done = False
+        self._dispatcher.reset()
+
+    @property
+    def shut_down(self) -> bool:
+        return self._shutdown
+
+    # ----------------------------------------------------------------- logic
+    def _steps(self) -> Generator[tuple[Any, ...], None, Any]:
+        if self._shutdown:
+            return _END
+        if not self._started and not self._sampler_done:
+            yield from self._start()
+        self._deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
+        while True:
+            if self._ring is not None:
+                self._free.extend(self._leases.take_returned())
+                self._dispatch()
+                slot = self._take_next()
+                if slot is not None:
+                    return self._deliver(slot)
+            if self._sampler_done and not self._outstanding and not self._ready:
+                if not self._persistent_workers:
+                    self._shutdown_workers()
+                return _END
+            self._pool.check_alive()
+            if self._deadline is not None and time.monotonic() >= self._deadline:
+                raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
+            yield _READY
+
+    def _start(self) -> Generator[tuple[Any, ...], None, None]:
+        """Size the ring (from the first batch unless known), create it, attach every worker."""
+        data_bytes = self._slot_bytes
+        probe: tuple[int, int] | None = None
+        while data_bytes is None:
+            wid = self._dispatcher.pick()
+            if wid is None:
+                self._sampler_done = True
+                return
+            try:
+                index = self._next_index()
+            except StopIteration:
+                self._sampler_done = True
+                return
+            seq = self._send_seq
+            self._send_seq += 1
+            self._pool.send(wid, ("probe", self._epoch, seq, index))
+            yield from self._wait_conns([wid])
+            _, status, needed, error = self._pool.conns[wid].recv()
+            if status == Status.STOP:
+                self._dispatcher.active[wid] = False
+                self._ready[seq] = None
+            elif status == Status.ERROR:
+                self._shutdown_workers()
+                error.reraise()
+            else:
+                data_bytes = slot_data_bytes(needed)
+                loader = self._loader()
+                if loader is not None:
+                    loader._shm_measured_bytes = data_bytes
+                probe = (wid, seq)
+        ring = Ring(RingGeometry(self._num_workers, self._num_slots, data_bytes))
+        self._ring = ring
+        self._free = list(range(self._num_slots - 1, -1, -1))
+        for wid in range(self._num_workers):
+            pending = -1
+            if probe is not None and probe[0] == wid:
+                pending = self._free.pop()
+                self._inflight[pending] = (wid, self._epoch, probe[1])
+                self._outstanding += 1
+                self._dispatcher.load[wid] += 1
+            self._pool.send(wid, ("ring", ring.spec, pending))
+        for wid in range(self._num_workers):
+            yield from self._wait_conns([wid])
+            reply = self._pool.conns[wid].recv()
+            assert reply == ("attached",), reply
+        ring.unlink()
+        self._started = True
+
+    def _wait_conns(self, wids: list[int]) -> Generator[tuple[Any, ...], None, None]:
+        while not all(self._pool.conns[w].poll() for w in wids):
+            self._pool.check_alive()
+            yield ("conns", wids)
+
+    def _dispatch(self) -> None:
+        assert self._ring is not None
+        while self._free and not self._sampler_done:
+            wid = self._dispatcher.pick()
+            if wid is None:
+                self._sampler_done = True
+                return
+            try:
+                index = self._next_index()
+            except StopIteration:
+                self._sampler_done = True
+                return
+            slot = self._free.pop()
+            seq = self._send_seq
+            self._send_seq += 1
+            self._inflight[slot] = (wid, self._epoch, seq)
+            self._outstanding += 1
+            self._dispatcher.submit(self._ring, slot, wid, self._epoch, seq, index)
+
+    def _collect(self) -> None:
+        """Move DONE slots from in flight to ready, one per semaphore token."""
+        assert self._ring is not None
+        tokens, self._banked = self._banked, 0
+        sem = self._ring.ready
+        while True:
+            try:
+                sem.acquire(0)
+            except posix_ipc.BusyError:
+                break
+            tokens += 1
+        if not tokens:
+            return
+        headers = self._ring.headers
+        for slot in list(self._inflight):
+            if headers[slot][F.STATE] != DONE:
+                continue
+            wid, epoch, seq = self._inflight.pop(slot)
+            self._dispatcher.load[wid] -= 1
+            if epoch != self._epoch:
+                self._free.append(slot)
+            else:
+                self._outstanding -= 1
+                self._ready[seq] = slot
+            tokens -= 1
+            if not tokens:
+                break
+        self._banked = tokens
+
+    def _take_next(self) -> int | None:
+        """The slot of the next batch to yield, skipping exhausted shards; raises worker errors."""
+        assert self._ring is not None
+        self._collect()
+        while self._ready:
+            if self._in_order:
+                if self._rcvd_seq not in self._ready:
+                    return None
+                seq = self._rcvd_seq
+                self._rcvd_seq += 1
+            else:
+                seq = min(self._ready)
+            slot = self._ready.pop(seq)
+            if slot is None:
+                continue
+            hdr = self._ring.headers[slot]
+            status = int(hdr[F.STATUS])
+            if status == Status.OK:
+                return slot
+            if status == Status.STOP:
+                self._dispatcher.active[int(hdr[F.WORKER])] = False
+                self._free.append(slot)
+                continue
+            self._fail(slot, status, seq)
+        return None
+
+    def _fail(self, slot: int, status: int, seq: int) -> None:
+        assert self._ring is not None
+        hdr = self._ring.headers[slot]
+        g = self._ring.geometry
+        if status == Status.ERROR:
+            error = pickle.loads(read_meta(self._ring, slot))
+            self._shutdown_workers()
+            error.reraise()
+        if status == Status.TOO_LARGE:
+            needed = int(hdr[F.NEEDED])
+            self._shutdown_workers()
+            raise BatchTooLargeError(
+                f"batch {seq} needs {needed:,} bytes but a ring slot holds {g.data_bytes:,} bytes "
+                f"(slots are sized from the first batch plus 25% and 64 KiB, or by slot_bytes=). "
+                f"Pass DataLoader(..., slot_bytes=N) with N >= {needed:,}."
+            )
+        self._shutdown_workers()
+        raise CorruptSlotError(f"slot {slot}: unknown result status {status}")
+
+    def _deliver(self, slot: int) -> Any:
+        assert self._ring is not None
+        # Never lend the last slot: a caller that keeps every batch (list(loader), a
+        # replay buffer) would leave the workers nowhere to write. Copy instead.
+        copy = self._leases.holding() + 1 >= self._num_slots
+        try:
+            batch, base = read_batch(self._ring, slot, copy)
+        except BaseException:
+            self._free.append(slot)
+            raise
+        if copy:
+            self.copies += 1
+            del base
+            self._free.append(slot)
+        else:
+            self._leases.lend(slot, base)
+        return batch
+
+    # --------------------------------------------------------------- sync
+    def _next_data(self) -> Any:
+        steps = self._steps()
+        try:
+            request = next(steps)
+            while True:
+                self._block(request)
+                request = next(steps)
+        except StopIteration as stop:
+            result = stop.value
+        except BaseException:
+            self._shutdown_workers()
+            raise
+        if result is _END:
+            raise StopIteration
+        return result
+
+    def _block(self, request: tuple[Any, ...]) -> None:
+        if request is _READY:
+            assert self._ring is not None and self._ring.ready is not None
+            try:
+                self._ring.ready.acquire(CHECK_S)
+                self._banked += 1
+            except (posix_ipc.BusyError, posix_ipc.SignalError):
+                pass
+        else:
+            conns = [self._pool.conns[w] for w in request[1]]
+            mp_connection.wait(conns + self._pool.sentinels, CHECK_S)
+
+    # -------------------------------------------------------------- async
+    def __aiter__(self) -> RingIterator:
+        return self
+
+    async def __anext__(self) -> Any:
+        steps = self._steps()
+        try:
+            request = next(steps)
+            while True:
+                await self._await(request)
+                request = next(steps)
+        except StopIteration as stop:
+            result = stop.value
+        except asyncio.CancelledError:
+            if not self._started:  # cancelled mid start-up: the handshake cannot resume
+                self._shutdown_workers()
+            raise
+        except BaseException:
+            self._shutdown_workers()
+            raise
+        if result is _END:
+            raise StopAsyncIteration
+        self._num_yielded += 1
+        return result
+
+    async def _await(self, request: tuple[Any, ...]) -> None:
+        loop = asyncio.get_running_loop()
+        if request is _READY:
+            assert self._ring is not None and self._ring.ready is not None
+            try:  # drain before the last check, so a post after the check still wakes us
+                os.eventfd_read(self._doorbell)
+            except BlockingIOError:
+                pass
+            try:
+                self._ring.ready.acquire(0)
+                self._banked += 1
+                return
+            except posix_ipc.BusyError:
+                pass
+            fds = [self._doorbell]
+        else:
+            fds = [self._pool.conns[w].fileno() for w in request[1]]
+        fds += self._pool.sentinels
+        woken = loop.create_future()
+
+        def wake() -> None:
+            if not woken.done():
+                woken.set_result(None)
+
+        for fd in fds:
+            loop.add_reader(fd, wake)
+        timer = None
+        if self._deadline is not None:
+            timer = loop.call_at(loop.time() + max(0.0, self._deadline - time.monotonic()), wake)
+        try:
+            await woken
+        finally:
+            for fd in fds:
+                loop.remove_reader(fd)
+            if timer is not None:
+                timer.cancel()
+
+    # ------------------------------------------------------------ release
+    def release(self, batch: Any) -> int:
+        """Return the slots that ``batch`` views to the ring now. Returns how many."""
+        if self._ring is None:
+            return 0
+        slots = {slot_of(self._ring, leaf) for leaf in leaves_of(batch)}
+        return sum(self._leases.release(s) for s in slots if s is not None)
+
+    def holding(self) -> int:
+        return self._leases.holding()
+
+    # ----------------------------------------------------------- shutdown
+    def _shutdown_workers(self) -> None:
+        if self._shutdown:
+            return
+        self._shutdown = True
+        try:
+            self._pool.stop(self._ring)
+        finally:
+            if self._ring is not None:
+                self._ring.close()
+            os.close(self._doorbell)
+
+    def __del__(self) -> None:
+        if not getattr(self, "_shutdown", True):
+            self._shutdown_workers()

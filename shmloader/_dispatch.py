@@ -1,0 +1,58 @@
+"""Dispatch: turn sampler indices into tasks in free slots, and pick the worker.
+
+A map-style task goes to the least-loaded worker (never to one already behind).
+An IterableDataset task goes round-robin to the workers whose shard is not yet
+exhausted, as torch does, so batch k of an epoch comes from the same worker as in
+torch's loader.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+from ._errors import BatchTooLargeError
+from ._layout import IDLE, F
+from ._ring import Ring
+
+
+class Dispatcher:
+    def __init__(self, num_workers: int, iterable: bool) -> None:
+        self.num_workers = num_workers
+        self.iterable = iterable
+        self.load = [0] * num_workers
+        self.reset()
+
+    def reset(self) -> None:
+        self.active = [True] * self.num_workers
+        self._next_rr = 0
+
+    def pick(self) -> int | None:
+        """The worker for the next task, or None if no worker can take one."""
+        if not self.iterable:
+            return min(range(self.num_workers), key=self.load.__getitem__)
+        for _ in range(self.num_workers):
+            wid = self._next_rr
+            self._next_rr = (wid + 1) % self.num_workers
+            if self.active[wid]:
+                return wid
+        return None
+
+    def submit(self, ring: Ring, slot: int, wid: int, epoch: int, seq: int, index: Any) -> None:
+        """Write the task into ``slot`` and queue it for worker ``wid``."""
+        payload = pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
+        g = ring.geometry
+        if len(payload) > g.data_bytes:
+            raise BatchTooLargeError(
+                f"the index of batch {seq} pickles to {len(payload):,} bytes but a slot holds "
+                f"{g.data_bytes:,} bytes; pass DataLoader(..., slot_bytes=N) with N >= {len(payload):,}"
+            )
+        hdr = ring.headers[slot]
+        hdr[F.STATE] = IDLE
+        hdr[F.EPOCH] = epoch
+        hdr[F.SEQ] = seq
+        hdr[F.TASK_LEN] = len(payload)
+        start = g.data_offset(slot)
+        ring.mm[start : start + len(payload)] = payload
+        self.load[wid] += 1
+        ring.push_task(wid, slot)

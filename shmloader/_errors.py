@@ -1,0 +1,23 @@
+"""Exceptions shmloader raises itself (errors from user code keep their own types)."""
+
+from __future__ import annotations
+
+
+class ShmLoaderError(RuntimeError):
+    """Base class of shmloader's own errors."""
+
+
+class BatchTooLargeError(ShmLoaderError, ValueError):
+    """A batch needed more bytes than a ring slot holds."""
+
+
+class SharedMemoryFullError(ShmLoaderError, MemoryError):
+    """The shared-memory filesystem cannot hold the ring."""
+
+
+class CorruptSlotError(ShmLoaderError):
+    """A slot header failed validation; no tensor was built over it."""
+
+
+class WorkerDiedError(ShmLoaderError):
+    """A worker process exited while the loader still needed it."""

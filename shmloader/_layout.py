@@ -1,0 +1,143 @@
+"""The ring's memory layout, described once for the writer (worker) and the reader (main).
+
+Segment::
+
+    [control page(s)]  per-worker task queues (int64), page aligned
+    [slot 0]           header page | data region
+    [slot 1]           ...
+
+A slot's header page is an int64 array whose fields are named below. The main
+process writes the task fields, the worker writes the result fields and sets
+``STATE`` to ``DONE`` last, then posts the ready semaphore. The task payload
+(pickled indices) sits at the start of the data region; the worker reads it
+before it writes the batch over it. The batch's leaves come first in the data
+region, 64-byte aligned; the leaf table (see ``native/_native.c``) and the
+pickled skeleton of the batch follow.
+
+This module owns no memory and starts no process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import mmap
+from typing import Final
+
+import numpy as np
+import torch
+
+PAGE: Final = mmap.PAGESIZE
+HEADER_BYTES: Final = PAGE
+LEAF_ALIGN: Final = 64
+
+
+class F(enum.IntEnum):
+    """Fields of a slot header (int64 each)."""
+
+    STATE = 0  # IDLE while the task is pending, DONE once the result is complete
+    EPOCH = 1  # task: epoch the task belongs to
+    SEQ = 2  # task: sequence number within the epoch
+    TASK_LEN = 3  # task: bytes of the pickled index at the start of the data region
+    STATUS = 4  # result: a Status value
+    WORKER = 5  # result: id of the worker that wrote it
+    TABLE_OFF = 6  # result: offset of the leaf table in the data region
+    TABLE_LEN = 7
+    META_OFF = 8  # result: offset of the pickled skeleton (or error) in the data region
+    META_LEN = 9
+    NEEDED = 10  # result: bytes the batch needed (set with Status.TOO_LARGE)
+    R_EPOCH = 11  # result: epoch echoed by the worker
+    R_SEQ = 12  # result: seq echoed by the worker
+
+
+N_FIELDS: Final = 16
+IDLE: Final = 0
+DONE: Final = 1
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    STOP = 1  # an IterableDataset shard is exhausted
+    ERROR = 2  # the skeleton is a pickled ExceptionWrapper
+    TOO_LARGE = 3  # the batch did not fit; NEEDED holds its size
+
+
+class Kind(enum.IntEnum):
+    TENSOR = 0
+    NUMPY = 1
+
+
+# Dtype codes: the order must match ITEMSIZE in native/_native.c.
+DTYPES: Final[tuple[torch.dtype, ...]] = (
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+)
+CODE_OF_DTYPE: Final = {dt: i for i, dt in enumerate(DTYPES)}
+# numpy dtype per code, None where numpy has no such type (bfloat16).
+NP_DTYPES: Final[tuple[np.dtype[np.generic] | None, ...]] = tuple(
+    None if dt is torch.bfloat16 else np.dtype(torch.empty(0, dtype=dt).numpy().dtype)
+    for dt in DTYPES
+)
+CODE_OF_NP_DTYPE: Final = {d: i for i, d in enumerate(NP_DTYPES) if d is not None}
+
+
+def round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+@dataclasses.dataclass(frozen=True)
+class RingGeometry:
+    """Where everything lives in the segment; shared by main and workers."""
+
+    num_workers: int
+    num_slots: int
+    data_bytes: int  # bytes of each slot's data region (page multiple)
+
+    @property
+    def queue_len(self) -> int:
+        """Entries of each worker's task queue: one per slot, plus room for a stop."""
+        return self.num_slots + 1
+
+    @property
+    def control_bytes(self) -> int:
+        return round_up(self.num_workers * self.queue_len * 8, PAGE)
+
+    @property
+    def slot_stride(self) -> int:
+        return HEADER_BYTES + self.data_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.control_bytes + self.num_slots * self.slot_stride
+
+    def slot_offset(self, slot: int) -> int:
+        return self.control_bytes + slot * self.slot_stride
+
+    def data_offset(self, slot: int) -> int:
+        return self.slot_offset(slot) + HEADER_BYTES
+
+    def queue_offset(self, worker: int) -> int:
+        return worker * self.queue_len * 8
+
+
+def slot_data_bytes(first_batch_bytes: int) -> int:
+    """Default data-region size for a ring whose first batch needed ``first_batch_bytes``.
+
+    The first batch plus 25% and 64 KiB of headroom, rounded up to a page, so that
+    later batches may grow a little (longer strings, variable-length leaves)
+    without hitting the oversize error. Pass ``slot_bytes=`` to choose exactly.
+    """
+    return round_up(first_batch_bytes + first_batch_bytes // 4 + 64 * 1024, PAGE)

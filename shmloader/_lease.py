@@ -1,0 +1,169 @@
+"""From a ready slot to the user's batch, and back to the ring.
+
+``read_batch`` validates a slot's header and leaf table, then builds the batch from
+views of slot memory (or copies, when the ring must keep a slot for the workers).
+``Leases`` tracks which slots the user still holds: every delivered batch gets a
+fresh numpy base array over its slot; every tensor and array of the batch keeps
+that base alive, and when the last of them is dropped a weakref callback returns
+the slot. ``release`` returns one early.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import _native
+from ._errors import CorruptSlotError
+from ._layout import DTYPES, NP_DTYPES, F, Kind
+from ._ring import Ring
+
+
+class Leases:
+    """Slots lent to the user. Callbacks may run in any thread; ``take_returned`` runs in the consumer's."""
+
+    def __init__(self, num_slots: int) -> None:
+        self._gen = [0] * num_slots
+        self._refs: dict[int, weakref.ref[Any]] = {}
+        self._returned: collections.deque[int] = collections.deque()
+        self._lock = threading.RLock()
+        self.lent: set[int] = set()
+
+    def lend(self, slot: int, base: np.ndarray[Any, Any]) -> None:
+        with self._lock:
+            gen = self._gen[slot]
+            self.lent.add(slot)
+
+            def dropped(_: object, slot: int = slot, gen: int = gen) -> None:
+                self._give_back(slot, gen)
+
+            self._refs[slot] = weakref.ref(base, dropped)
+
+    def _give_back(self, slot: int, gen: int) -> None:
+        with self._lock:
+            if self._gen[slot] != gen:
+                return
+            self._gen[slot] = gen + 1
+            self._refs.pop(slot, None)
+            self._returned.append(slot)
+
+    def release(self, slot: int) -> bool:
+        """Return ``slot`` now, whoever still views it. False if it was not lent."""
+        with self._lock:
+            if slot not in self.lent or slot not in self._refs:
+                return False
+            self._give_back(slot, self._gen[slot])
+            return True
+
+    def take_returned(self) -> list[int]:
+        out = []
+        while self._returned:
+            slot = self._returned.popleft()
+            self.lent.discard(slot)
+            out.append(slot)
+        return out
+
+    def holding(self) -> int:
+        """Slots the user holds right now."""
+        return len(self.lent) - len(self._returned)
+
+
+class _LeafUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, leaves: list[Any]) -> None:
+        super().__init__(io.BytesIO(data))
+        self._leaves = leaves
+
+    def persistent_load(self, pid: Any) -> Any:
+        if type(pid) is not int or not 0 <= pid < len(self._leaves):
+            raise CorruptSlotError(f"batch skeleton refers to leaf {pid!r} of {len(self._leaves)}")
+        return self._leaves[pid]
+
+
+def _region(hdr: np.ndarray[Any, Any], off_field: F, len_field: F, cap: int, what: str, slot: int) -> tuple[int, int]:
+    off, length = int(hdr[off_field]), int(hdr[len_field])
+    if off < 0 or length < 0 or off > cap or length > cap - off:
+        raise CorruptSlotError(
+            f"slot {slot}: {what} [{off}, +{length}) lies outside the slot's {cap}-byte data region"
+        )
+    return off, length
+
+
+def read_meta(ring: Ring, slot: int) -> bytes:
+    """The raw skeleton bytes of a slot (also used for pickled worker errors)."""
+    g = ring.geometry
+    off, length = _region(ring.headers[slot], F.META_OFF, F.META_LEN, g.data_bytes, "skeleton", slot)
+    start = g.data_offset(slot) + off
+    return ring.mm[start : start + length]
+
+
+def read_batch(ring: Ring, slot: int, copy: bool) -> tuple[Any, np.ndarray[Any, Any]]:
+    """Build the batch held by ``slot``. Returns (batch, base); the batch's arrays keep
+    ``base`` alive unless ``copy`` made them independent of the slot."""
+    g = ring.geometry
+    hdr = ring.headers[slot]
+    cap = g.data_bytes
+    data_off = g.data_offset(slot)
+    table_off, table_len = _region(hdr, F.TABLE_OFF, F.TABLE_LEN, cap, "leaf table", slot)
+    meta = read_meta(ring, slot)
+    try:
+        table = _native.decode_table(ring.mm, data_off + table_off, table_len, cap)
+    except ValueError as exc:
+        raise CorruptSlotError(f"slot {slot}: {exc}") from None
+    base = np.frombuffer(ring.mm, dtype=np.uint8, count=cap, offset=data_off)
+    slab = torch.from_numpy(base)
+    leaves: list[Any] = []
+    for code, kind, off, nbytes, shape in table:
+        if kind == Kind.TENSOR:
+            t = slab[off : off + nbytes].view(DTYPES[code]).view(shape)
+            leaves.append(t.clone() if copy else t)
+        else:
+            np_dtype = NP_DTYPES[code]
+            if np_dtype is None:
+                raise CorruptSlotError(f"slot {slot}: numpy leaf with dtype {DTYPES[code]}, which numpy lacks")
+            a = base[off : off + nbytes].view(np_dtype).reshape(shape)
+            leaves.append(a.copy() if copy else a)
+    del slab
+    return _LeafUnpickler(meta, leaves).load(), base
+
+
+def slot_of(ring: Ring, obj: Any) -> int | None:
+    """The slot whose memory ``obj`` (a tensor or array) views, if any."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type != "cpu":
+            return None
+        ptr = obj.untyped_storage().data_ptr()
+    elif isinstance(obj, np.ndarray):
+        ptr = obj.__array_interface__["data"][0]
+    else:
+        return None
+    origin = ring.bytes.__array_interface__["data"][0]
+    g = ring.geometry
+    rel = ptr - origin - g.control_bytes
+    if rel < 0 or rel >= g.num_slots * g.slot_stride:
+        return None
+    return rel // g.slot_stride
+
+
+def leaves_of(batch: Any) -> list[Any]:
+    """Tensors and arrays in a (nested) batch, found the way pickling would walk it."""
+    found: list[Any] = []
+
+    class _Finder(pickle.Pickler):
+        def persistent_id(self, obj: object) -> Any:
+            if isinstance(obj, (torch.Tensor, np.ndarray)):
+                found.append(obj)
+                return 0
+            return None
+
+    try:
+        _Finder(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(batch)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        pass
+    return found

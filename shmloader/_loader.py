@@ -1,0 +1,121 @@
+"""The DataLoader facade: torch's arguments and lifecycle, wired to the ring.
+
+``DataLoader`` subclasses ``torch.utils.data.DataLoader``: the constructor, its
+defaults and validation, samplers, ``len()`` and persistent-worker bookkeeping are
+torch's own. Only the multi-process iterator is replaced (``_get_iterator``), and
+``async for`` is added.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, AsyncIterator
+
+import torch.utils.data
+
+from ._consume import RingIterator
+
+
+class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
+    """A drop-in ``torch.utils.data.DataLoader`` whose workers write batches into
+    preallocated shared-memory slots.
+
+    Every argument of torch's DataLoader is accepted with the same default and
+    validation. With ``num_workers=0`` it is torch's loader. With workers, batches are
+    views of a ring of ``num_workers * prefetch_factor`` slots; a slot returns to the
+    ring when the batch's last tensor is dropped, or at once with :meth:`release`.
+
+    Args beyond torch's:
+        slot_bytes: bytes of one slot's data region. By default the ring is sized from
+            the first batch plus 25% and 64 KiB; set it when later batches can be larger
+            (variable-length samples, a batch_sampler whose first batch is small).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        num_workers: int = 0,
+        collate_fn: Any = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Any = None,
+        multiprocessing_context: Any = None,
+        generator: Any = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        slot_bytes: int | None = None,
+    ) -> None:
+        if slot_bytes is not None and (not isinstance(slot_bytes, int) or slot_bytes <= 0):
+            raise ValueError(f"slot_bytes should be a positive int, but got slot_bytes={slot_bytes!r}")
+        super().__init__(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            batch_sampler=batch_sampler,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
+            drop_last=drop_last,
+            timeout=timeout,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            generator=generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+            in_order=in_order,
+        )
+        self.slot_bytes = slot_bytes
+        self._shm_measured_bytes: int | None = None
+        self._shm_iterators: weakref.WeakSet[RingIterator] = weakref.WeakSet()
+
+    def _get_iterator(self) -> Any:
+        if self.num_workers == 0:
+            return super()._get_iterator()
+        self.check_worker_number_rationality()
+        it = RingIterator(self)
+        self._shm_iterators.add(it)
+        return it
+
+    def __iter__(self) -> Any:
+        it = self._iterator
+        if isinstance(it, RingIterator) and it.shut_down:
+            self._iterator = None  # an error stopped the persistent workers: start afresh
+        return super().__iter__()
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        """``async for batch in loader``: waits on the running event loop, never blocks it
+        while workers produce (with ``num_workers=0`` batches are made inline)."""
+        it = iter(self)
+        if isinstance(it, RingIterator):
+            return it
+        return _InlineAsync(it)
+
+    def release(self, batch: Any) -> int:
+        """Return the ring slots that ``batch`` views, now, without waiting for its
+        tensors to be dropped. The batch's tensors must not be read afterwards: a later
+        batch will be written over them. Returns the number of slots released."""
+        return sum(it.release(batch) for it in list(self._shm_iterators))
+
+
+class _InlineAsync:
+    def __init__(self, it: Any) -> None:
+        self._it = it
+
+    def __aiter__(self) -> _InlineAsync:
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            return next(self._it)
+        except StopIteration:
+            raise StopAsyncIteration from None

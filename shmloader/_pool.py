@@ -1,0 +1,84 @@
+"""Worker processes: start, watch, stop. Knows processes and pipes, not slots."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+from ._errors import WorkerDiedError
+from ._worker import InheritedFd, WorkerConfig, worker_main
+
+JOIN_GRACE_S = 2.0
+
+
+class WorkerPool:
+    def __init__(self, ctx: Any, configs: list[WorkerConfig], doorbell: int) -> None:
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        self.stopped = False
+        try:
+            for cfg in configs:
+                parent_end, child_end = ctx.Pipe(duplex=True)
+                proc = ctx.Process(
+                    target=worker_main, args=(cfg, child_end, InheritedFd(doorbell)), daemon=True,
+                    name=f"shmloader-worker-{cfg.worker_id}",
+                )
+                proc.start()
+                child_end.close()
+                self.procs.append(proc)
+                self.conns.append(parent_end)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def sentinels(self) -> list[int]:
+        return [p.sentinel for p in self.procs]
+
+    def check_alive(self) -> None:
+        """Raise WorkerDiedError naming the first worker that exited."""
+        if self.stopped:
+            return
+        for wid, proc in enumerate(self.procs):
+            code = proc.exitcode
+            if code is not None:
+                how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+                raise WorkerDiedError(
+                    f"DataLoader worker {wid} (pid {proc.pid}) exited unexpectedly: it {how}. "
+                    "If it ran out of memory, lower batch_size, num_workers or prefetch_factor."
+                )
+
+    def send(self, wid: int, msg: tuple[Any, ...]) -> None:
+        try:
+            self.conns[wid].send(msg)
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            self.check_alive()
+            raise
+
+    def stop(self, ring: Any = None) -> None:
+        """Ask every worker to stop, wait briefly, then terminate stragglers. Idempotent."""
+        if self.stopped:
+            return
+        self.stopped = True
+        for wid, proc in enumerate(self.procs):
+            if proc.exitcode is None:
+                if ring is not None:
+                    ring.push_task(wid, -1)
+                try:
+                    self.conns[wid].send(("stop",))
+                except OSError:
+                    pass
+        deadline = time.monotonic() + JOIN_GRACE_S
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.exitcode is None:
+                proc.terminate()
+                proc.join(JOIN_GRACE_S)
+            if proc.exitcode is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.join()
+        for conn in self.conns:
+            conn.close()

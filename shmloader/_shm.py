@@ -1,0 +1,105 @@
+"""POSIX shared-memory segments and semaphores: create, attach, unlink.
+
+Only the creator (the main process) unlinks. Names are unpredictable and carry the
+creator's pid; everything is created exclusively with mode 0600. This module knows
+nothing of slots or batches.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import secrets
+
+import posix_ipc
+
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "shmloader-"
+SEMAPHORE_PREFIX = "shml-"
+
+
+def new_name(prefix: str) -> str:
+    return f"/{prefix}{os.getpid()}-{secrets.token_hex(8)}"
+
+
+def shm_free_bytes(path: str = SHM_DIR) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _fixes(needed: int, free: int) -> str:
+    return (
+        f"The ring needs {needed:,} bytes of shared memory but {SHM_DIR} has {free:,} bytes free. "
+        "Fixes: give the container more shared memory (Docker: --shm-size=...), "
+        "lower num_workers or prefetch_factor (the ring holds num_workers * prefetch_factor slots), "
+        "use smaller batches, or set slot_bytes= to a smaller slot size."
+    )
+
+
+def check_free(needed: int, path: str = SHM_DIR) -> None:
+    """Raise SharedMemoryFullError if ``path`` cannot hold ``needed`` more bytes."""
+    from ._errors import SharedMemoryFullError
+
+    free = shm_free_bytes(path)
+    if free is not None and needed > free:
+        raise SharedMemoryFullError(_fixes(needed, free))
+
+
+def create_segment(size: int) -> tuple[str, mmap.mmap]:
+    """Create, reserve and map a new segment of ``size`` bytes. Returns (name, mapping).
+
+    The pages are reserved with posix_fallocate, so a full tmpfs fails here with a
+    clear error instead of a SIGBUS on first touch.
+    """
+    from ._errors import SharedMemoryFullError
+
+    name = new_name(SEGMENT_PREFIX)
+    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
+    try:
+        try:
+            os.posix_fallocate(shm.fd, 0, size)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise SharedMemoryFullError(_fixes(size, shm_free_bytes() or 0)) from None
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+        mm = mmap.mmap(shm.fd, size)
+    except BaseException:
+        shm.close_fd()
+        posix_ipc.unlink_shared_memory(name)
+        raise
+    shm.close_fd()
+    return name, mm
+
+
+def attach_segment(name: str, size: int) -> mmap.mmap:
+    """Map an existing segment without taking ownership (never unlinks)."""
+    shm = posix_ipc.SharedMemory(name)
+    try:
+        if shm.size < size:
+            raise ValueError(f"segment {name} holds {shm.size} bytes, expected {size}")
+        return mmap.mmap(shm.fd, size)
+    finally:
+        shm.close_fd()
+
+
+def unlink_segment(name: str) -> None:
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        pass
+
+
+def create_semaphore() -> posix_ipc.Semaphore:
+    return posix_ipc.Semaphore(new_name(SEMAPHORE_PREFIX), posix_ipc.O_CREX, mode=0o600, initial_value=0)
+
+
+def unlink_semaphore(sem: posix_ipc.Semaphore) -> None:
+    try:
+        sem.unlink()
+    except posix_ipc.ExistentialError:
+        pass

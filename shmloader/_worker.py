@@ -1,0 +1,262 @@
+"""The worker process: fetch samples, collate into a slot, signal readiness.
+
+A worker starts on a setup pipe: it reports ready, may be asked to produce the first
+batch privately (the probe that sizes the ring), then receives the ring's spec,
+attaches, and from then on talks only through shared memory: it takes slot numbers
+from its task queue (a semaphore per worker), reads the pickled index from the
+slot, writes the batch and the result header, marks the slot DONE, posts the ready
+semaphore and rings the doorbell (an eventfd the main process's event loop watches).
+
+It exits on a stop task, or within a second of its parent's death. It ignores
+SIGINT: Ctrl-C is the main process's to handle, and the main process stops it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import random
+import signal
+import struct
+import sys
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch._utils import ExceptionWrapper
+from torch.utils.data._utils import collate as torch_collate
+from torch.utils.data._utils import worker as torch_worker
+
+from ._collate import SlotWriter, slot_collate_map
+from ._layout import DONE, F, Status
+from ._ring import AttachedRing, RingSpec
+
+PARENT_CHECK_S = 0.5
+_ONE = struct.pack("=Q", 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a worker needs from the loader (pickled once per worker under spawn)."""
+
+    worker_id: int
+    num_workers: int
+    dataset: Any
+    iterable: bool
+    auto_collation: bool
+    collate_fn: Callable[[Any], Any]
+    drop_last: bool
+    base_seed: int
+    worker_init_fn: Callable[[int], None] | None
+    parent_pid: int
+
+
+@dataclasses.dataclass
+class Outcome:
+    status: Status
+    needed: int = 0
+    error: ExceptionWrapper | None = None
+
+
+class InheritedFd:
+    """An fd handed to a child: inherited as is under fork, duplicated under spawn/forkserver."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing import reduction
+
+        return (_rebuild_fd, (reduction.DupFd(self.fd),))
+
+
+def _rebuild_fd(dup: Any) -> InheritedFd:
+    return InheritedFd(dup.detach())
+
+
+class _Producer:
+    """Turns an index into a batch written by a SlotWriter."""
+
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.cfg = cfg
+        self.where = f"in DataLoader worker process {cfg.worker_id}"
+        self.fused = cfg.auto_collation and cfg.collate_fn is torch_collate.default_collate
+        self._epoch: int | None = None
+        self._iter: Any = None
+        self._ended = False
+
+    def _samples(self, epoch: int, index: Any) -> Any:
+        ds = self.cfg.dataset
+        if not self.cfg.iterable:
+            if not self.cfg.auto_collation:
+                return ds[index]
+            getitems = getattr(ds, "__getitems__", None)
+            return getitems(index) if getitems else [ds[i] for i in index]
+        if epoch != self._epoch:
+            self._epoch, self._iter, self._ended = epoch, iter(ds), False
+        if self._ended:
+            raise StopIteration
+        if not self.cfg.auto_collation:
+            return next(self._iter)
+        data = []
+        for _ in index:
+            try:
+                data.append(next(self._iter))
+            except StopIteration:
+                self._ended = True
+                break
+        if not data or (self.cfg.drop_last and len(data) < len(index)):
+            raise StopIteration
+        return data
+
+    def produce(self, epoch: int, index: Any, writer: SlotWriter, fn_map: dict[Any, Any]) -> tuple[Outcome, Any]:
+        """Fetch and collate into ``writer``; returns the outcome and the batch object."""
+        try:
+            samples = self._samples(epoch, index)
+            if self.fused:
+                batch = torch_collate.collate(samples, collate_fn_map=fn_map)
+            else:
+                batch = self.cfg.collate_fn(samples)
+            del samples
+            needed = writer.finish(batch)
+        except StopIteration:
+            if not self.cfg.iterable:
+                return Outcome(Status.ERROR, error=ExceptionWrapper(where=self.where)), None
+            return Outcome(Status.STOP), None
+        except Exception:
+            return Outcome(Status.ERROR, error=ExceptionWrapper(where=self.where)), None
+        if not writer.fits:
+            return Outcome(Status.TOO_LARGE, needed=needed), batch
+        return Outcome(Status.OK, needed=needed), batch
+
+
+def _init(cfg: WorkerConfig) -> ExceptionWrapper | None:
+    """torch's worker setup: threads, seeds, worker info, worker_init_fn."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)
+    seed = cfg.base_seed + cfg.worker_id
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(torch_worker._generate_state(cfg.base_seed, cfg.worker_id))
+    torch_worker._worker_info = torch_worker.WorkerInfo(
+        id=cfg.worker_id, num_workers=cfg.num_workers, seed=seed, dataset=cfg.dataset
+    )
+    try:
+        if cfg.worker_init_fn is not None:
+            cfg.worker_init_fn(cfg.worker_id)
+    except Exception:
+        return ExceptionWrapper(where=f"in DataLoader worker process {cfg.worker_id}")
+    return None
+
+
+def _publish(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWriter, outcome: Outcome,
+             epoch: int, seq: int, doorbell: int) -> None:
+    hdr = ring.headers[slot]
+    hdr[F.STATUS] = outcome.status
+    hdr[F.WORKER] = cfg.worker_id
+    hdr[F.R_EPOCH] = epoch
+    hdr[F.R_SEQ] = seq
+    hdr[F.NEEDED] = outcome.needed
+    if outcome.status is Status.OK:
+        hdr[F.TABLE_OFF] = writer.table_off
+        hdr[F.TABLE_LEN] = writer.table_len
+        hdr[F.META_OFF] = writer.meta_off
+        hdr[F.META_LEN] = writer.meta_len
+    elif outcome.status is Status.ERROR:
+        _write_error(ring, slot, hdr, outcome.error)
+    hdr[F.STATE] = DONE
+    ring.ready.release()  # a full barrier: every write above is visible once this is
+    try:
+        os.write(doorbell, _ONE)
+    except OSError:
+        pass  # the main process closed the doorbell: it is shutting down
+
+
+def _write_error(ring: AttachedRing, slot: int, hdr: Any, error: ExceptionWrapper | None) -> None:
+    payload = pickle.dumps(error)
+    cap = ring.geometry.data_bytes
+    if len(payload) > cap:
+        assert error is not None
+        error.exc_msg = error.exc_msg[-(cap // 2):]
+        payload = pickle.dumps(error)[:cap]
+    start = ring.geometry.data_offset(slot)
+    ring.bytes[start : start + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+    hdr[F.META_OFF] = 0
+    hdr[F.META_LEN] = len(payload)
+
+
+def _parent_alive(cfg: WorkerConfig) -> bool:
+    return os.getppid() == cfg.parent_pid
+
+
+def worker_main(cfg: WorkerConfig, conn: Any, doorbell: InheritedFd) -> None:
+    """Entry point of a worker process."""
+    try:
+        _worker_loop(cfg, conn, doorbell.fd)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.stdout.flush()
+
+
+def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
+    init_error = _init(cfg)
+    producer = _Producer(cfg)
+    probe_writer = SlotWriter(None)
+    pending: tuple[int, int, Outcome, Any] | None = None
+    # Setup phase: the pipe carries the probe and the ring's spec.
+    while True:
+        if not conn.poll(PARENT_CHECK_S):
+            if not _parent_alive(cfg):
+                return
+            continue
+        msg = conn.recv()
+        if msg[0] == "stop":
+            return
+        if msg[0] == "probe":
+            _, epoch, seq, index = msg
+            if init_error is not None:
+                outcome, batch = Outcome(Status.ERROR, error=init_error), None
+                init_error = None
+            else:
+                probe_writer.begin(0, 0)
+                outcome, batch = producer.produce(epoch, index, probe_writer, slot_collate_map(probe_writer))
+            pending = (epoch, seq, outcome, batch)
+            conn.send(("probed", int(outcome.status), outcome.needed, outcome.error))
+            continue
+        spec: RingSpec = msg[1]
+        pending_slot: int = msg[2]
+        break
+    ring = AttachedRing(spec, cfg.worker_id)
+    writer = SlotWriter(ring.mm)
+    fn_map = slot_collate_map(writer)
+    geometry = ring.geometry
+    conn.send(("attached",))
+    if pending is not None and pending_slot >= 0:
+        epoch, seq, outcome, batch = pending
+        writer.begin(geometry.data_offset(pending_slot), geometry.data_bytes)
+        if outcome.status is Status.OK or outcome.status is Status.TOO_LARGE:
+            needed = writer.finish(batch)
+            outcome = Outcome(Status.OK if writer.fits else Status.TOO_LARGE, needed=needed)
+        _publish(ring, pending_slot, cfg, writer, outcome, epoch, seq, doorbell)
+    del pending
+    # Steady state: shared memory and semaphores only.
+    while True:
+        slot = ring.next_task(PARENT_CHECK_S)
+        if slot is None:
+            if not _parent_alive(cfg):
+                return
+            continue
+        if slot < 0:
+            return
+        hdr = ring.headers[slot]
+        epoch, seq, task_len = int(hdr[F.EPOCH]), int(hdr[F.SEQ]), int(hdr[F.TASK_LEN])
+        start = geometry.data_offset(slot)
+        index = pickle.loads(ring.mm[start : start + task_len])
+        writer.begin(start, geometry.data_bytes)
+        if init_error is not None:
+            outcome, init_error = Outcome(Status.ERROR, error=init_error), None
+        else:
+            outcome, _ = producer.produce(epoch, index, writer, fn_map)
+        _publish(ring, slot, cfg, writer, outcome, epoch, seq, doorbell)
