@@ -25,7 +25,7 @@ import torch
 from torch.utils.data._utils import collate as torch_collate
 
 from . import _native
-from ._layout import CODE_OF_DTYPE, CODE_OF_NP_DTYPE, LEAF_ALIGN, Kind, round_up
+from ._layout import CODE_OF_DTYPE, CODE_OF_NP_DTYPE, LEAF_ALIGN, LONE_LEAF, NP_DTYPES, Kind, round_up
 
 Leaf = tuple[int, int, int, tuple[int, ...]]  # (dtype code, kind, offset, shape)
 
@@ -36,7 +36,6 @@ class SlotWriter:
     def __init__(self, mm: Any = None) -> None:
         self._mm = mm
         self._bytes = None if mm is None else np.frombuffer(mm, dtype=np.uint8)
-        self._slab = None if mm is None else torch.from_numpy(self._bytes)
         self.begin(0, 0)
 
     def begin(self, data_off: int, capacity: int) -> None:
@@ -71,9 +70,14 @@ class SlotWriter:
         if off is None:
             out = torch.empty(shape, dtype=dtype)
         else:
-            assert self._slab is not None
+            assert self._bytes is not None
             start = self.data_off + off
-            out = self._slab[start : start + nbytes].view(dtype).view(shape)
+            raw = self._bytes[start : start + nbytes]
+            np_dtype = NP_DTYPES[code]
+            if np_dtype is None:  # bfloat16: no numpy twin
+                out = torch.from_numpy(raw).view(dtype).view(shape)
+            else:  # numpy views are cheaper to make than torch views
+                out = torch.from_numpy(raw.view(np_dtype).reshape(shape))
         self._record(out, code, Kind.TENSOR, self.used - nbytes, shape)
         return out
 
@@ -105,11 +109,14 @@ class SlotWriter:
             ):
                 return None
             self.tensor(obj.dtype, tuple(obj.shape)).copy_(obj)
-            return len(self.leaves) - 1
-        if type(obj) is np.ndarray and obj.dtype in CODE_OF_NP_DTYPE:
+        elif type(obj) is np.ndarray and obj.dtype in CODE_OF_NP_DTYPE:
             np.copyto(self.array(obj.dtype, obj.shape), obj, casting="no")
-            return len(self.leaves) - 1
-        return None
+        else:
+            return None
+        leaf_id = len(self.leaves) - 1
+        self._ids[id(obj)] = leaf_id  # the same object twice in a batch is one leaf
+        self._keep.append(obj)
+        return leaf_id
 
     def finish(self, batch: object) -> int:
         """Pickle ``batch``'s skeleton and write it with the leaf table.
@@ -117,9 +124,12 @@ class SlotWriter:
         Returns the bytes the batch needs; when that exceeds the slot's capacity
         nothing usable was written and the caller reports the size.
         """
-        buf = io.BytesIO()
-        _LeafPickler(buf, self).dump(batch)
-        meta = buf.getbuffer()
+        if self.leaves and batch is self._keep[0] and len(self.leaves) == 1:
+            meta: bytes | memoryview = LONE_LEAF  # the common single-tensor batch
+        else:
+            buf = io.BytesIO()
+            _LeafPickler(buf, self).dump(batch)
+            meta = buf.getbuffer()
         self.meta_off = round_up(self.used, 8)
         self.meta_len = len(meta)
         self.table_off = round_up(self.meta_off + self.meta_len, 8)
@@ -138,7 +148,7 @@ class SlotWriter:
 
 class _LeafPickler(pickle.Pickler):
     def __init__(self, file: io.BytesIO, writer: SlotWriter) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        super().__init__(file, protocol=5)  # LONE_LEAF assumes protocol 5
         self._leaf_id = writer.leaf_id
 
     def persistent_id(self, obj: object) -> int | None:
@@ -162,18 +172,15 @@ def _stack_into_slot(
     if elem.is_nested or elem.layout is not torch.strided or elem.device.type != "cpu":
         return torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
     dtype = elem.dtype
-    for t in batch:
-        if t.dtype is not dtype:
-            dtype = functools.reduce(torch.promote_types, (t.dtype for t in batch))
-            break
+    if len({t.dtype for t in batch}) > 1:
+        dtype = functools.reduce(torch.promote_types, (t.dtype for t in batch))
     if dtype not in CODE_OF_DTYPE:
         return torch.stack(batch, 0)
-    # Mismatched shapes: let torch.stack raise its own error before we allocate.
-    shape = elem.shape
-    for t in batch:
-        if t.shape != shape:
-            return torch.stack(batch, 0)
-    return torch.stack(batch, 0, out=writer.tensor(dtype, (len(batch), *shape)))
+    out = writer.tensor(dtype, (len(batch), *elem.shape))
+    try:
+        return torch.stack(batch, 0, out=out)
+    except RuntimeError:
+        return torch.stack(batch, 0)  # unequal shapes: torch's own error, as default_collate raises
 
 
 def slot_collate_map(writer: SlotWriter) -> dict[Any, Callable[..., Any]]:

@@ -20,6 +20,7 @@ import asyncio
 import os
 import pickle
 import time
+import warnings
 import weakref
 from multiprocessing import connection as mp_connection
 from typing import Any, Generator
@@ -59,7 +60,7 @@ class RingIterator(_BaseDataLoaderIter):
         self._banked = 0
         self._free: list[int] = []
         self._inflight: dict[int, tuple[int, int, int]] = {}  # slot -> (worker, epoch, seq)
-        self._ready: dict[int, int | None] = {}  # seq -> slot (None: nothing to yield)
+        self._ready: dict[int, int] = {}  # seq -> slot
         self._dispatcher = Dispatcher(self._num_workers, self._iterable)
         self._leases = Leases(self._num_slots)
         self.copies = 0  # batches delivered as copies because the user held the ring
@@ -93,9 +94,7 @@ class RingIterator(_BaseDataLoaderIter):
         super()._reset(loader, first_iter)
         if not first_iter:
             self._epoch += 1
-        for slot in self._ready.values():
-            if slot is not None:
-                self._free.append(slot)
+        self._free.extend(self._ready.values())
         self._ready = {}
         self._outstanding = 0
         self._send_seq = 0
@@ -151,7 +150,7 @@ class RingIterator(_BaseDataLoaderIter):
             _, status, needed, error = self._pool.conns[wid].recv()
             if status == Status.STOP:
                 self._dispatcher.active[wid] = False
-                self._ready[seq] = None
+                self._rcvd_seq = seq + 1  # only exhausted shards came before
             elif status == Status.ERROR:
                 self._shutdown_workers()
                 error.reraise()
@@ -245,8 +244,6 @@ class RingIterator(_BaseDataLoaderIter):
             else:
                 seq = min(self._ready)
             slot = self._ready.pop(seq)
-            if slot is None:
-                continue
             hdr = self._ring.headers[slot]
             status = int(hdr[F.STATUS])
             if status == Status.OK:
@@ -296,6 +293,29 @@ class RingIterator(_BaseDataLoaderIter):
         return batch
 
     # --------------------------------------------------------------- sync
+    def __next__(self) -> Any:
+        if torch.autograd.profiler._is_profiler_enabled:
+            return super().__next__()
+        # torch's __next__ without the record_function scope, which costs more than
+        # a small batch's whole transport when no profiler is listening.
+        data = self._next_data()
+        self._num_yielded += 1
+        if self._iterable and self._IterableDataset_len_called is not None and (
+            self._num_yielded > self._IterableDataset_len_called
+        ):
+            return self._warn_len(data)
+        return data
+
+    def _warn_len(self, data: Any) -> Any:
+        warnings.warn(
+            f"Length of IterableDataset {self._dataset} was reported to be "
+            f"{self._IterableDataset_len_called}(when accessing len(dataloader)), but "
+            f"{self._num_yielded} samples have been fetched. For multiprocessing data-loading, this "
+            "could be caused by not properly configuring the IterableDataset replica at each worker.",
+            stacklevel=3,
+        )
+        return data
+
     def _next_data(self) -> Any:
         steps = self._steps()
         try:

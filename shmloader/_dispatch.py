@@ -52,7 +52,7 @@ class Dispatcher:
         hdr[F.EPOCH] = epoch
         hdr[F.SEQ] = seq
         hdr[F.TASK_LEN] = len(payload)
-        start = g.data_offset(slot)
+        start = ring.data_offsets[slot]
         ring.mm[start : start + len(payload)] = payload
         self.load[wid] += 1
         ring.push_task(wid, slot)

@@ -32,8 +32,8 @@ HEADER_BYTES: Final = PAGE
 LEAF_ALIGN: Final = 64
 
 
-class F(enum.IntEnum):
-    """Fields of a slot header (int64 each)."""
+class F:
+    """Fields of a slot header (int64 each); plain ints, read on every batch."""
 
     STATE = 0  # IDLE while the task is pending, DONE once the result is complete
     EPOCH = 1  # task: epoch the task belongs to
@@ -92,6 +92,10 @@ NP_DTYPES: Final[tuple[np.dtype[np.generic] | None, ...]] = tuple(
     for dt in DTYPES
 )
 CODE_OF_NP_DTYPE: Final = {d: i for i, d in enumerate(NP_DTYPES) if d is not None}
+
+
+# The skeleton of a batch that is one leaf: pickle protocol 5 of persistent id 0.
+LONE_LEAF: Final = b"\x80\x05\x95\x04\x00\x00\x00\x00\x00\x00\x00K\x00Q."
 
 
 def round_up(n: int, to: int) -> int:

@@ -22,8 +22,11 @@ import torch
 
 from . import _native
 from ._errors import CorruptSlotError
-from ._layout import DTYPES, NP_DTYPES, F, Kind
+from ._layout import DTYPES, LONE_LEAF, NP_DTYPES, F, Kind
 from ._ring import Ring
+
+
+_TENSOR = int(Kind.TENSOR)
 
 
 class Leases:
@@ -86,7 +89,7 @@ class _LeafUnpickler(pickle.Unpickler):
         return self._leaves[pid]
 
 
-def _region(hdr: np.ndarray[Any, Any], off_field: F, len_field: F, cap: int, what: str, slot: int) -> tuple[int, int]:
+def _region(hdr: np.ndarray[Any, Any], off_field: int, len_field: int, cap: int, what: str, slot: int) -> tuple[int, int]:
     off, length = int(hdr[off_field]), int(hdr[len_field])
     if off < 0 or length < 0 or off > cap or length > cap - off:
         raise CorruptSlotError(
@@ -97,19 +100,17 @@ def _region(hdr: np.ndarray[Any, Any], off_field: F, len_field: F, cap: int, wha
 
 def read_meta(ring: Ring, slot: int) -> bytes:
     """The raw skeleton bytes of a slot (also used for pickled worker errors)."""
-    g = ring.geometry
-    off, length = _region(ring.headers[slot], F.META_OFF, F.META_LEN, g.data_bytes, "skeleton", slot)
-    start = g.data_offset(slot) + off
+    off, length = _region(ring.headers[slot], F.META_OFF, F.META_LEN, ring.geometry.data_bytes, "skeleton", slot)
+    start = ring.data_offsets[slot] + off
     return ring.mm[start : start + length]
 
 
 def read_batch(ring: Ring, slot: int, copy: bool) -> tuple[Any, np.ndarray[Any, Any]]:
     """Build the batch held by ``slot``. Returns (batch, base); the batch's arrays keep
     ``base`` alive unless ``copy`` made them independent of the slot."""
-    g = ring.geometry
     hdr = ring.headers[slot]
-    cap = g.data_bytes
-    data_off = g.data_offset(slot)
+    cap = ring.geometry.data_bytes
+    data_off = ring.data_offsets[slot]
     table_off, table_len = _region(hdr, F.TABLE_OFF, F.TABLE_LEN, cap, "leaf table", slot)
     meta = read_meta(ring, slot)
     try:
@@ -117,19 +118,21 @@ def read_batch(ring: Ring, slot: int, copy: bool) -> tuple[Any, np.ndarray[Any, 
     except ValueError as exc:
         raise CorruptSlotError(f"slot {slot}: {exc}") from None
     base = np.frombuffer(ring.mm, dtype=np.uint8, count=cap, offset=data_off)
-    slab = torch.from_numpy(base)
     leaves: list[Any] = []
     for code, kind, off, nbytes, shape in table:
-        if kind == Kind.TENSOR:
-            t = slab[off : off + nbytes].view(DTYPES[code]).view(shape)
-            leaves.append(t.clone() if copy else t)
-        else:
-            np_dtype = NP_DTYPES[code]
-            if np_dtype is None:
+        np_dtype = NP_DTYPES[code]
+        if np_dtype is None:  # bfloat16: no numpy twin, view through torch
+            if kind != _TENSOR:
                 raise CorruptSlotError(f"slot {slot}: numpy leaf with dtype {DTYPES[code]}, which numpy lacks")
-            a = base[off : off + nbytes].view(np_dtype).reshape(shape)
-            leaves.append(a.copy() if copy else a)
-    del slab
+            t = torch.from_numpy(base[off : off + nbytes]).view(DTYPES[code]).view(shape)
+            leaves.append(t.clone() if copy else t)
+            continue
+        a = base[off : off + nbytes].view(np_dtype).reshape(shape)
+        if copy:
+            a = a.copy()
+        leaves.append(torch.from_numpy(a) if kind == _TENSOR else a)
+    if meta == LONE_LEAF and len(leaves) == 1:
+        return leaves[0], base
     return _LeafUnpickler(meta, leaves).load(), base
 
 

@@ -35,6 +35,7 @@ class _Views:
         self.geometry = geometry
         self.mm = mm
         self.bytes = np.frombuffer(mm, dtype=np.uint8)
+        self.data_offsets = [geometry.data_offset(s) for s in range(geometry.num_slots)]
         self.headers = [
             np.ndarray((N_FIELDS,), np.int64, buffer=mm, offset=geometry.slot_offset(s))
             for s in range(geometry.num_slots)

@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from shmloader._shm import SEGMENT_PREFIX, SEMAPHORE_PREFIX, SHM_DIR
+
+
+def ours() -> set[str]:
+    return {
+        n for n in os.listdir(SHM_DIR)
+        if n.startswith(SEGMENT_PREFIX) or n.startswith("sem." + SEMAPHORE_PREFIX)
+    }
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_in_dev_shm() -> Iterator[None]:
+    before = ours()
+    yield
+    gc.collect()
+    assert ours() - before == set(), "shmloader left entries in /dev/shm"
+
+
+@pytest.fixture(autouse=True)
+def workers_stopped() -> Iterator[None]:
+    before = ours()
+    yield
+    gc.collect()
+    children = multiprocessing.active_children()
+    assert not [c for c in children if c.name.startswith("shmloader-worker")], children
+    assert ours() - before == set()
+
+
+def same(a: Any, b: Any) -> None:
+    """Assert two batches are equal type for type and bit for bit."""
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, (a, b)
+        assert raw(a) == raw(b), (a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            same(x, y)
+    elif hasattr(a, "dtype") and hasattr(a, "tobytes"):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    else:
+        assert a == b or (a != a and b != b), (a, b)
+
+
+def raw(t: torch.Tensor) -> bytes:
+    """A tensor's bytes in logical order (bit-exact, NaNs included)."""
+    if t.numel() == 0:
+        return b""
+    return bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy())

@@ -1,0 +1,160 @@
+"""Datasets shared by the tests; module-level so spawn and forkserver workers can import them."""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+Point = collections.namedtuple("Point", ["x", "y"])
+
+
+class Rich(Dataset):  # type: ignore[type-arg]
+    """Samples of every leaf type default_collate handles, nested."""
+
+    def __init__(self, n: int = 100) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        g = torch.Generator().manual_seed(i)
+        return {
+            "f32": torch.randn(3, 4, generator=g),
+            "i64": torch.arange(i, i + 5),
+            "u8": torch.randint(0, 255, (2, 2), dtype=torch.uint8, generator=g),
+            "np": np.full((2,), i, dtype=np.int32),
+            "np_scalar": np.float64(i) / 3,
+            "int": i,
+            "float": i / 7,
+            "bool": bool(i % 2),
+            "str": f"item-{i}",
+            "bytes": str(i).encode(),
+            "tuple": (i, torch.tensor(float(i))),
+            "list": [torch.zeros(1) + i, str(i)],
+            "point": Point(x=torch.tensor([i, i]), y=i * 2),
+            "nested": {"a": {"b": torch.full((1,), i, dtype=torch.float16)}},
+        }
+
+
+class Range(Dataset):  # type: ignore[type-arg]
+    """Sample i is tensor([i]) (int64)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i])
+
+
+class Sized(Dataset):  # type: ignore[type-arg]
+    """Sample i is a float32 vector of ``sizes[i]`` elements, all equal to i."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = sizes
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((self.sizes[i],), float(i))
+
+
+class Failing(Dataset):  # type: ignore[type-arg]
+    def __init__(self, n: int, bad: int, exc: type[Exception] = ValueError) -> None:
+        self.n, self.bad, self.exc = n, bad, exc
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.bad:
+            raise self.exc(f"sample {i} is broken")
+        return torch.tensor([i])
+
+
+class Seeds(Dataset):  # type: ignore[type-arg]
+    """Reports the worker's RNG state and identity."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        info = get_worker_info()
+        tinfo = torch.utils.data.get_worker_info()
+        return {
+            "torch": torch.randint(0, 2**30, (1,)),
+            "random": random.randint(0, 2**30),
+            "numpy": int(np.random.randint(0, 2**30)),
+            "worker": -1 if info is None else info.id,
+            "same_info": info is tinfo,
+            "seed": -1 if info is None else info.seed,
+        }
+
+
+class Shards(IterableDataset):  # type: ignore[type-arg]
+    """Yields range(n) split between workers by get_worker_info(), as torch's docs do."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        if info is None:
+            return iter(range(self.n))
+        per = -(-self.n // info.num_workers)
+        start = info.id * per
+        return iter(range(start, min(start + per, self.n)))
+
+
+class Gated(Dataset):  # type: ignore[type-arg]
+    """Blocks in __getitem__ until ``gate`` (a multiprocessing Event) is set."""
+
+    def __init__(self, n: int, gate: Any) -> None:
+        self.n, self.gate = n, gate
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.gate.wait()
+        return torch.tensor([i])
+
+
+class Pid(Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> int:
+        return os.getpid()
+
+
+def init_marker(worker_id: int) -> None:
+    os.environ["SHMLOADER_TEST_INIT"] = f"init-{worker_id}"
+
+
+class InitMarker(Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> str:
+        return os.environ.get("SHMLOADER_TEST_INIT", "none")
+
+
+class Custom:
+    """A user object holding a tensor (travels pickled, its tensor as a leaf)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Custom) and torch.equal(self.t, other.t)

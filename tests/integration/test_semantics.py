@@ -1,0 +1,196 @@
+"""shmloader against torch's DataLoader: same batches, same order, same errors."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.data as tud
+
+import shmloader
+from tests.conftest import same
+from tests.datasets import InitMarker, Range, Rich, Seeds, Shards, Sized, init_marker
+
+
+def reference(dataset: Any, **kw: Any) -> list[Any]:
+    kw.pop("num_workers", None)
+    kw.pop("persistent_workers", None)
+    kw.pop("in_order", None)
+    kw.pop("multiprocessing_context", None)
+    kw.pop("slot_bytes", None)
+    return list(tud.DataLoader(dataset, num_workers=0, **kw))
+
+
+def check_equal(dataset: Any, workers: int = 2, **kw: Any) -> list[Any]:
+    got = list(shmloader.DataLoader(dataset, num_workers=workers, **kw))
+    want = reference(dataset, **kw)
+    same(got, want)
+    return got
+
+
+def test_is_a_torch_dataloader_with_torchs_signature() -> None:
+    loader = shmloader.DataLoader(Range(4))
+    assert isinstance(loader, tud.DataLoader)
+    ours = inspect.signature(shmloader.DataLoader.__init__).parameters
+    theirs = inspect.signature(tud.DataLoader.__init__).parameters
+    for name, p in theirs.items():
+        assert name in ours, name
+        assert ours[name].default == p.default, name
+        assert ours[name].kind == p.kind, name
+    assert ours["slot_bytes"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"num_workers": -1},
+        {"timeout": -1},
+        {"prefetch_factor": 2},
+        {"persistent_workers": True},
+        {"num_workers": 2, "prefetch_factor": -1},
+        {"num_workers": 2, "multiprocessing_context": "nope"},
+        {"num_workers": 2, "multiprocessing_context": 3},
+        {"multiprocessing_context": "fork"},
+        {"batch_size": 2, "batch_sampler": [[0, 1]]},
+        {"shuffle": True, "sampler": [0, 1]},
+        {"batch_size": None, "drop_last": True},
+    ],
+)
+def test_constructor_validation_matches_torch(kw: dict[str, Any]) -> None:
+    with pytest.raises(Exception) as theirs:
+        tud.DataLoader(Range(4), **kw)
+    with pytest.raises(type(theirs.value)) as ours:
+        shmloader.DataLoader(Range(4), **kw)
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_slot_bytes_validation() -> None:
+    with pytest.raises(ValueError, match="slot_bytes should be a positive int"):
+        shmloader.DataLoader(Range(4), num_workers=1, slot_bytes=0)
+
+
+def test_rich_nested_batches_equal_default_collate() -> None:
+    check_equal(Rich(50), batch_size=8)
+
+
+def test_num_workers_zero_is_torchs_loader() -> None:
+    loader = shmloader.DataLoader(Rich(10), batch_size=3)
+    assert type(iter(loader)).__name__ == "_SingleProcessDataLoaderIter"
+    same(list(loader), reference(Rich(10), batch_size=3))
+
+
+def test_batch_size_none_converts_like_torch() -> None:
+    check_equal(Rich(10), batch_size=None)
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_drop_last_and_len(workers: int) -> None:
+    got = check_equal(Range(23), workers=workers, batch_size=5, drop_last=True)
+    assert len(got) == len(shmloader.DataLoader(Range(23), batch_size=5, drop_last=True)) == 4
+
+
+def test_shuffle_with_generator_gives_torchs_order() -> None:
+    got = list(shmloader.DataLoader(Range(64), batch_size=4, shuffle=True, num_workers=2,
+                                    generator=torch.Generator().manual_seed(7)))
+    want = list(tud.DataLoader(Range(64), batch_size=4, shuffle=True, num_workers=2,
+                               generator=torch.Generator().manual_seed(7)))
+    same(got, want)
+
+
+def test_sampler_and_variable_batch_sampler() -> None:
+    check_equal(Range(20), sampler=[5, 3, 19, 0, 7], batch_size=2)
+    sizes = [[0], [1, 2, 3], list(range(4, 20)), [3, 1]]
+    check_equal(Range(20), batch_sampler=sizes, slot_bytes=1 << 16)
+
+
+def test_variable_length_samples_within_slot() -> None:
+    check_equal(Sized([1, 5, 2, 9, 3, 3, 0, 4]), batch_size=None)
+
+
+def test_in_order_false_delivers_every_batch_exactly_once() -> None:
+    got = list(shmloader.DataLoader(Range(97), batch_size=4, num_workers=3, in_order=False))
+    values = sorted(int(v) for b in got for v in b.flatten())
+    assert values == list(range(97))
+    assert len(got) == 25
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+def test_start_methods(context: str) -> None:
+    check_equal(Range(30), workers=2, batch_size=4, multiprocessing_context=context)
+
+
+def test_persistent_workers_survive_epochs_and_early_break() -> None:
+    loader = shmloader.DataLoader(Range(40), batch_size=4, num_workers=2, persistent_workers=True,
+                                  prefetch_factor=3)
+    want = reference(Range(40), batch_size=4)
+    same(list(loader), want)
+    it = iter(loader)
+    pids = [p.pid for p in it._pool.procs]
+    segment = it._ring.segment
+    for i, batch in enumerate(loader):
+        if i == 2:
+            break
+    same(list(loader), want)
+    again = iter(loader)
+    assert again is it and [p.pid for p in it._pool.procs] == pids and it._ring.segment == segment
+    del again, it
+    loader._iterator._shutdown_workers()
+
+
+def test_persistent_iterable_restarts_each_epoch() -> None:
+    loader = shmloader.DataLoader(Shards(10), batch_size=3, num_workers=2, persistent_workers=True)
+    first = [b.tolist() for b in loader]
+    second = [b.tolist() for b in loader]
+    assert first == second
+    assert sorted(v for b in first for v in b) == list(range(10))
+    loader._iterator._shutdown_workers()
+
+
+def test_iterable_dataset_order_matches_torch() -> None:
+    for kw in ({"batch_size": 3}, {"batch_size": 3, "drop_last": True}, {"batch_size": None}):
+        got = [b.tolist() if isinstance(b, torch.Tensor) else b for b in
+               shmloader.DataLoader(Shards(17), num_workers=2, **kw)]
+        want = [b.tolist() if isinstance(b, torch.Tensor) else b for b in
+                tud.DataLoader(Shards(17), num_workers=2, **kw)]
+        assert got == want, kw
+
+
+def test_worker_seeds_and_info_match_torch() -> None:
+    got = list(shmloader.DataLoader(Seeds(), batch_size=2, num_workers=2,
+                                    generator=torch.Generator().manual_seed(3)))
+    want = list(tud.DataLoader(Seeds(), batch_size=2, num_workers=2,
+                               generator=torch.Generator().manual_seed(3)))
+    same(got, want)
+    assert all(bool(b["same_info"].all()) for b in got)
+    assert sorted({int(w) for b in got for w in b["worker"]}) == [0, 1]
+
+
+def test_worker_init_fn_runs_in_each_worker() -> None:
+    got = list(shmloader.DataLoader(InitMarker(), batch_size=1, num_workers=2, worker_init_fn=init_marker))
+    assert sorted(b[0] for b in got) == ["init-0", "init-0", "init-1", "init-1"]
+
+
+def test_empty_dataset() -> None:
+    assert list(shmloader.DataLoader(Range(0), batch_size=4, num_workers=2)) == []
+    assert list(shmloader.DataLoader(Shards(0), batch_size=4, num_workers=2)) == []
+
+
+def test_pin_memory_without_accelerator_warns_like_torch() -> None:
+    if torch.accelerator.is_available():
+        pytest.skip("an accelerator is present")
+    with pytest.warns(UserWarning, match="no accelerator is found"):
+        got = list(shmloader.DataLoader(Range(6), batch_size=2, num_workers=1, pin_memory=True))
+    same(got, reference(Range(6), batch_size=2))
+
+
+def test_numpy_leaves_from_custom_collate_stay_numpy() -> None:
+    def collate(samples: list[torch.Tensor]) -> dict[str, Any]:
+        return {"np": np.stack([s.numpy() for s in samples]), "n": len(samples)}
+
+    got = list(shmloader.DataLoader(Range(6), batch_size=3, num_workers=1, collate_fn=collate))
+    assert [type(b["np"]) for b in got] == [np.ndarray, np.ndarray]
+    assert got[1]["np"].ravel().tolist() == [3, 4, 5] and got[0]["n"] == 3

@@ -1,0 +1,128 @@
+"""Collate into a slot and read back, in one process: equal to torch's default_collate."""
+
+from __future__ import annotations
+
+import mmap
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import default_collate, default_convert
+
+from shmloader._collate import SlotWriter, slot_collate_map
+from shmloader._layout import F, RingGeometry, slot_data_bytes
+from shmloader._lease import read_batch
+from shmloader._ring import _Views
+from tests.conftest import same
+from tests.datasets import Custom, Rich
+
+GEOMETRY = RingGeometry(num_workers=1, num_slots=2, data_bytes=1 << 20)
+
+
+def round_trip(batch_or_samples: Any, fused: bool, copy: bool = False) -> tuple[Any, SlotWriter]:
+    mm = mmap.mmap(-1, GEOMETRY.total_bytes)
+    views = _Views(GEOMETRY, mm)
+    writer = SlotWriter(mm)
+    writer.begin(views.data_offsets[1], GEOMETRY.data_bytes)
+    if fused:
+        batch = torch.utils.data._utils.collate.collate(batch_or_samples, collate_fn_map=slot_collate_map(writer))
+    else:
+        batch = batch_or_samples
+    writer.finish(batch)
+    hdr = views.headers[1]
+    hdr[F.TABLE_OFF], hdr[F.TABLE_LEN] = writer.table_off, writer.table_len
+    hdr[F.META_OFF], hdr[F.META_LEN] = writer.meta_off, writer.meta_len
+    out, _ = read_batch(views, 1, copy)  # type: ignore[arg-type]
+    return out, writer
+
+
+def test_fused_collate_equals_default_collate() -> None:
+    samples = [Rich()[i] for i in range(7)]
+    out, writer = round_trip(samples, fused=True)
+    same(out, default_collate(samples))
+    assert writer.fits
+
+
+def test_fused_collate_writes_tensors_into_the_slot_without_a_batch_copy() -> None:
+    samples = [torch.full((4,), float(i)) for i in range(8)]
+    out, writer = round_trip(samples, fused=True)
+    assert len(writer.leaves) == 1
+    same(out, default_collate(samples))
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_custom_batches_round_trip(copy: bool) -> None:
+    base = torch.arange(24, dtype=torch.float64).reshape(4, 6)
+
+    batch = {
+        "noncontig": base.t(),
+        "strided": base[:, ::2],
+        "zero_dim": torch.tensor(3.5),
+        "empty": torch.empty(0, 5),
+        "np": np.arange(6, dtype=np.uint16).reshape(2, 3),
+        "np_str": np.array(["a", "bc"]),
+        "obj": Custom(torch.ones(2)),
+        "none": None,
+        "shared": [base, base],
+    }
+    out, _ = round_trip(batch, fused=False, copy=copy)
+    assert out["noncontig"].is_contiguous()
+    for key in ("noncontig", "strided", "zero_dim", "empty"):
+        same(out[key], batch[key].contiguous())
+    same(out["np"], batch["np"])
+    assert out["np_str"].tolist() == ["a", "bc"]
+    assert out["obj"] == batch["obj"] and out["none"] is None
+    assert out["shared"][0] is out["shared"][1]
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+     torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128],
+)
+def test_every_dtype_is_bit_exact(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randint(0, 256, (5, 3 * 16), dtype=torch.uint8, generator=g)
+    samples = [raw[i].view(dtype) if dtype is not torch.bool else raw[i] % 2 == 0 for i in range(5)]
+    out, _ = round_trip(samples, fused=True)
+    same(out, default_collate(samples))
+
+
+def test_mixed_dtypes_promote_like_default_collate() -> None:
+    samples = [torch.tensor([1], dtype=torch.int64), torch.tensor([1.5], dtype=torch.float64)]
+    out, _ = round_trip(samples, fused=True)
+    same(out, default_collate(samples))
+
+
+def test_unequal_shapes_raise_torchs_error() -> None:
+    samples = [torch.zeros(2), torch.zeros(3)]
+    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+        round_trip(samples, fused=True)
+
+
+def test_default_convert_path() -> None:
+    sample = {"a": np.arange(3), "b": 4, "c": "s"}
+    out, _ = round_trip(default_convert(sample), fused=False)
+    same(out, default_convert(sample))
+
+
+def test_overflow_measures_what_the_batch_needs() -> None:
+    mm = mmap.mmap(-1, GEOMETRY.total_bytes)
+    writer = SlotWriter(mm)
+    writer.begin(GEOMETRY.data_offset(0), 1000)
+    needed = writer.finish({"x": torch.zeros(10_000, dtype=torch.uint8), "y": torch.zeros(10)})
+    assert not writer.fits
+    assert needed > 10_000 + 80
+    probe = SlotWriter(None)
+    probe.begin(0, 0)
+    assert probe.finish({"x": torch.zeros(10_000, dtype=torch.uint8), "y": torch.zeros(10)}) == needed
+
+
+def test_slot_sizing_policy() -> None:
+    assert slot_data_bytes(0) == 64 * 1024
+    assert slot_data_bytes(1_000_000) >= 1_250_000 + 64 * 1024
+    assert slot_data_bytes(1_000_000) % mmap.PAGESIZE == 0
+    g = RingGeometry(num_workers=3, num_slots=6, data_bytes=8192)
+    assert g.data_offset(0) % mmap.PAGESIZE == 0
+    assert g.total_bytes == g.control_bytes + 6 * (mmap.PAGESIZE + 8192)
