@@ -42,7 +42,7 @@ class SlotWriter:
         self.data_off = data_off
         self.capacity = capacity if self._mm is not None else 0
         self.used = 0
-        self.fits = True
+        self.fits = self._mm is not None  # a probe writer only measures
         self.leaves: list[Leaf] = []
         self._ids: dict[int, int] = {}
         self._keep: list[object] = []
@@ -170,7 +170,8 @@ def _stack_into_slot(
     """``collate_tensor_fn`` that stacks into slot memory instead of a new segment."""
     elem = batch[0]
     if elem.is_nested or elem.layout is not torch.strided or elem.device.type != "cpu":
-        return torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+        result: torch.Tensor = torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+        return result
     dtype = elem.dtype
     if len({t.dtype for t in batch}) > 1:
         dtype = functools.reduce(torch.promote_types, (t.dtype for t in batch))

@@ -75,7 +75,7 @@ class RingIterator(_BaseDataLoaderIter):
                 auto_collation=self._auto_collation,
                 collate_fn=self._collate_fn,
                 drop_last=self._drop_last,
-                base_seed=self._base_seed,
+                base_seed=int(self._base_seed),
                 worker_init_fn=loader.worker_init_fn,
                 parent_pid=os.getpid(),
             )
@@ -110,9 +110,9 @@ class RingIterator(_BaseDataLoaderIter):
     def _steps(self) -> Generator[tuple[Any, ...], None, Any]:
         if self._shutdown:
             return _END
+        self._deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
         if not self._started and not self._sampler_done:
             yield from self._start()
-        self._deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
         while True:
             if self._ring is not None:
                 self._free.extend(self._leases.take_returned())
@@ -124,10 +124,14 @@ class RingIterator(_BaseDataLoaderIter):
                 if not self._persistent_workers:
                     self._shutdown_workers()
                 return _END
-            self._pool.check_alive()
-            if self._deadline is not None and time.monotonic() >= self._deadline:
-                raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
+            self._check()
             yield _READY
+
+    def _check(self) -> None:
+        """Raise if a worker died or the user's ``timeout`` has passed."""
+        self._pool.check_alive()
+        if self._deadline is not None and time.monotonic() >= self._deadline:
+            raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
 
     def _start(self) -> Generator[tuple[Any, ...], None, None]:
         """Size the ring (from the first batch unless known), create it, attach every worker."""
@@ -139,7 +143,7 @@ class RingIterator(_BaseDataLoaderIter):
                 self._sampler_done = True
                 return
             try:
-                index = self._next_index()
+                index = self._next_index()  # type: ignore[no-untyped-call]
             except StopIteration:
                 self._sampler_done = True
                 return
@@ -180,7 +184,7 @@ class RingIterator(_BaseDataLoaderIter):
 
     def _wait_conns(self, wids: list[int]) -> Generator[tuple[Any, ...], None, None]:
         while not all(self._pool.conns[w].poll() for w in wids):
-            self._pool.check_alive()
+            self._check()
             yield ("conns", wids)
 
     def _dispatch(self) -> None:
@@ -191,7 +195,7 @@ class RingIterator(_BaseDataLoaderIter):
                 self._sampler_done = True
                 return
             try:
-                index = self._next_index()
+                index = self._next_index()  # type: ignore[no-untyped-call]
             except StopIteration:
                 self._sampler_done = True
                 return
@@ -207,6 +211,7 @@ class RingIterator(_BaseDataLoaderIter):
         assert self._ring is not None
         tokens, self._banked = self._banked, 0
         sem = self._ring.ready
+        assert sem is not None
         while True:
             try:
                 sem.acquire(0)

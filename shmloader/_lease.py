@@ -151,7 +151,7 @@ def slot_of(ring: Ring, obj: Any) -> int | None:
     rel = ptr - origin - g.control_bytes
     if rel < 0 or rel >= g.num_slots * g.slot_stride:
         return None
-    return rel // g.slot_stride
+    return int(rel // g.slot_stride)
 
 
 def leaves_of(batch: Any) -> list[Any]:

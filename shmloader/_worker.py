@@ -59,6 +59,11 @@ class Outcome:
     error: ExceptionWrapper | None = None
 
 
+def _wrap(where: str) -> ExceptionWrapper:
+    """torch's wrapper of the exception being handled: the main process re-raises it."""
+    return ExceptionWrapper(where=where)  # type: ignore[no-untyped-call]
+
+
 class InheritedFd:
     """An fd handed to a child: inherited as is under fork, duplicated under spawn/forkserver."""
 
@@ -122,10 +127,10 @@ class _Producer:
             needed = writer.finish(batch)
         except StopIteration:
             if not self.cfg.iterable:
-                return Outcome(Status.ERROR, error=ExceptionWrapper(where=self.where)), None
+                return Outcome(Status.ERROR, error=_wrap(where=self.where)), None
             return Outcome(Status.STOP), None
         except Exception:
-            return Outcome(Status.ERROR, error=ExceptionWrapper(where=self.where)), None
+            return Outcome(Status.ERROR, error=_wrap(where=self.where)), None
         if not writer.fits:
             return Outcome(Status.TOO_LARGE, needed=needed), batch
         return Outcome(Status.OK, needed=needed), batch
@@ -138,7 +143,7 @@ def _init(cfg: WorkerConfig) -> ExceptionWrapper | None:
     seed = cfg.base_seed + cfg.worker_id
     random.seed(seed)
     torch.manual_seed(seed)
-    np.random.seed(torch_worker._generate_state(cfg.base_seed, cfg.worker_id))
+    np.random.seed(torch_worker._generate_state(cfg.base_seed, cfg.worker_id))  # type: ignore[no-untyped-call]
     torch_worker._worker_info = torch_worker.WorkerInfo(
         id=cfg.worker_id, num_workers=cfg.num_workers, seed=seed, dataset=cfg.dataset
     )
@@ -146,7 +151,7 @@ def _init(cfg: WorkerConfig) -> ExceptionWrapper | None:
         if cfg.worker_init_fn is not None:
             cfg.worker_init_fn(cfg.worker_id)
     except Exception:
-        return ExceptionWrapper(where=f"in DataLoader worker process {cfg.worker_id}")
+        return _wrap(where=f"in DataLoader worker process {cfg.worker_id}")
     return None
 
 

@@ -1,0 +1,31 @@
+# make test   build the virtual environment (if needed) and run mypy + the default tests
+# make bench  the side-by-side transport benchmark against torch's DataLoader
+# make soak   the long soak tests (marked 'soak', outside the default run)
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+
+.PHONY: test bench soak typecheck clean
+
+$(VENV)/.installed: pyproject.toml setup.py native/_native.c
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q --no-build-isolation -e ".[dev]"
+	touch $@
+
+typecheck: $(VENV)/.installed
+	$(PY) -m mypy
+
+test: typecheck
+	$(PY) -m pytest -m "not soak"
+
+soak: $(VENV)/.installed
+	$(PY) -m pytest -m soak
+
+bench: $(VENV)/.installed
+	$(PY) bench/transport.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info shmloader/*.so

@@ -1,0 +1,145 @@
+"""Slots: lent zero-copy, returned when dropped or released, copied when the user holds the ring;
+errors: worker exceptions, oversize batches, timeouts, dead workers, a full /dev/shm."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+
+import pytest
+import torch
+
+import shmloader
+from shmloader import _shm
+from tests.conftest import same
+from tests.datasets import Failing, Gated, Pid, Range, Sized
+
+
+def test_batches_are_views_of_the_ring_and_return_when_dropped() -> None:
+    loader = shmloader.DataLoader(Range(64), batch_size=4, num_workers=2)
+    it = iter(loader)
+    a = next(it)
+    ring = it._ring
+    base = ring.bytes.__array_interface__["data"][0]
+    ptr = a.untyped_storage().data_ptr()
+    assert base <= ptr < base + ring.geometry.total_bytes
+    assert it.holding() == 1
+    view = a[1:]  # a view keeps the slot too
+    del a
+    assert it.holding() == 1
+    del view
+    assert it.holding() == 0
+    rest = [b.clone() for b in it]
+    assert len(rest) == 15
+
+
+def test_release_returns_a_slot_now() -> None:
+    loader = shmloader.DataLoader(Range(64), batch_size=4, num_workers=2)
+    it = iter(loader)
+    batch = next(it)
+    assert it.holding() == 1
+    assert loader.release({"x": [batch]}) == 1
+    assert it.holding() == 0
+    assert loader.release(batch) == 0  # already released
+    assert loader.release(torch.zeros(3)) == 0  # not ours
+    del batch, it
+
+
+def test_holding_every_batch_never_deadlocks_and_copies() -> None:
+    loader = shmloader.DataLoader(Range(200), batch_size=2, num_workers=2, prefetch_factor=2)
+    it = iter(loader)
+    kept = list(it)
+    assert [b.tolist() for b in kept] == [[[2 * i], [2 * i + 1]] for i in range(100)]
+    assert it.copies >= 100 - 4
+    assert it.holding() <= 3
+
+
+def test_a_worker_exception_keeps_its_type_and_traceback_and_stops_the_loader() -> None:
+    loader = shmloader.DataLoader(Failing(40, bad=13), batch_size=4, num_workers=2)
+    it = iter(loader)
+    with pytest.raises(ValueError) as info:
+        for _ in it:
+            pass
+    text = str(info.value)
+    assert "Caught ValueError in DataLoader worker process" in text
+    assert "sample 13 is broken" in text and "Traceback" in text and "__getitem__" in text
+    assert it.shut_down and all(p.exitcode is not None for p in it._pool.procs)
+
+
+def test_a_worker_exception_in_the_first_batch() -> None:
+    with pytest.raises(KeyError, match="sample 0 is broken"):
+        list(shmloader.DataLoader(Failing(8, bad=0, exc=KeyError), batch_size=2, num_workers=2))
+
+
+def test_collate_fn_exception() -> None:
+    def collate(batch: list[torch.Tensor]) -> torch.Tensor:
+        if int(batch[0]) == 4:
+            raise ZeroDivisionError("bad batch")
+        return torch.cat(batch)
+
+    with pytest.raises(ZeroDivisionError, match="bad batch"):
+        list(shmloader.DataLoader(Range(12), batch_size=2, num_workers=1, collate_fn=collate))
+
+
+def test_worker_init_fn_exception() -> None:
+    def init(worker_id: int) -> None:
+        raise OSError(f"init {worker_id} failed")
+
+    with pytest.raises(OSError, match="init 0 failed"):
+        list(shmloader.DataLoader(Range(12), batch_size=2, num_workers=1, worker_init_fn=init))
+
+
+def test_batch_larger_than_its_slot_names_sizes_and_the_option() -> None:
+    sizes = [1] * 8 + [100_000] * 8
+    loader = shmloader.DataLoader(Sized(sizes), batch_size=4, num_workers=2)
+    with pytest.raises(shmloader.BatchTooLargeError, match=r"needs 1,600,\d+ bytes but a ring slot holds \d[\d,]* bytes.*slot_bytes=N"):
+        list(loader)
+    got = list(shmloader.DataLoader(Sized(sizes), batch_size=4, num_workers=2, slot_bytes=2 << 20))
+    assert [b.shape[1] for b in got] == [1, 1, 100_000, 100_000]
+
+
+def test_too_small_slot_bytes_fails_clearly_on_the_first_batch() -> None:
+    with pytest.raises(shmloader.BatchTooLargeError, match="Pass DataLoader"):
+        list(shmloader.DataLoader(Sized([5000] * 4), batch_size=2, num_workers=1, slot_bytes=4096))
+
+
+def test_timeout() -> None:
+    import multiprocessing
+
+    gate = multiprocessing.get_context("fork").Event()
+    loader = shmloader.DataLoader(Gated(4, gate), batch_size=2, num_workers=1, timeout=0.3)
+    with pytest.raises(RuntimeError, match=r"DataLoader timed out after 0.3 seconds"):
+        list(loader)
+
+
+def test_a_killed_worker_is_reported_not_waited_for() -> None:
+    loader = shmloader.DataLoader(Pid(), batch_size=1, num_workers=2)
+    it = iter(loader)
+    pid = int(next(it)[0])
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(shmloader.WorkerDiedError, match=rf"pid {pid}\) exited unexpectedly: it was killed by signal SIGKILL"):
+        for _ in it:
+            pass
+
+
+def test_full_dev_shm_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_shm, "shm_free_bytes", lambda path=_shm.SHM_DIR: 1000)
+    with pytest.raises(shmloader.SharedMemoryFullError, match=r"needs [\d,]+ bytes of shared memory but /dev/shm has 1,000 bytes free.*--shm-size"):
+        list(shmloader.DataLoader(Range(8), batch_size=2, num_workers=2))
+
+
+def test_garbage_collected_mid_epoch_stops_workers() -> None:
+    loader = shmloader.DataLoader(Range(100), batch_size=2, num_workers=2)
+    it = iter(loader)
+    next(it)
+    procs = list(it._pool.procs)
+    del it
+    gc.collect()
+    assert all(p.exitcode is not None for p in procs)
+
+
+def test_many_epochs_leave_nothing_behind() -> None:
+    loader = shmloader.DataLoader(Range(10), batch_size=3, num_workers=2)
+    for _ in range(5):
+        same(list(loader), list(torch.utils.data.DataLoader(Range(10), batch_size=3)))
