@@ -26,7 +26,7 @@ WORKLOADS = {
 
 
 class Ready(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, n: int = 1 << 20) -> None:
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, n: int = 1 << 28) -> None:
         self.item = torch.ones(shape, dtype=dtype)
         self.n = n
 
