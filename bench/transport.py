@@ -10,6 +10,7 @@ image = 128 x uint8[3,224,224]. num_workers=2, prefetch_factor=2, persistent wor
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import time
 
@@ -37,10 +38,23 @@ class Ready(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return self.item
 
 
-def rate(loader: torch.utils.data.DataLoader, seconds: float) -> float:  # type: ignore[type-arg]
+def cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def worker_pids(it: object) -> list[int]:
+    procs = getattr(it, "_workers", None) or getattr(getattr(it, "_pool", None), "procs", [])
+    return [p.pid for p in procs]
+
+
+def rate(loader: torch.utils.data.DataLoader, seconds: float) -> tuple[float, list[float]]:  # type: ignore[type-arg]
+    """Batches/s, and CPU µs per batch of the main process and each worker."""
     it = iter(loader)
     for _ in range(20):  # warm up: workers started, ring sized, pages touched
         next(it)
+    pids = [os.getpid(), *worker_pids(it)]
+    cpu0 = [cpu_seconds(p) for p in pids]
     n = 0
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
@@ -48,8 +62,9 @@ def rate(loader: torch.utils.data.DataLoader, seconds: float) -> float:  # type:
             next(it)
         n += 10
     elapsed = time.perf_counter() - start
+    cpu = [(cpu_seconds(p) - c) / n * 1e6 for p, c in zip(pids, cpu0)]
     del it
-    return n / elapsed
+    return n / elapsed, cpu
 
 
 def make(cls: type, workload: str, workers: int, prefetch: int) -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
@@ -67,14 +82,17 @@ def main() -> None:
     a = p.parse_args()
     print(f"# {time.strftime('%Y-%m-%d')} {platform.machine()} {torch.__version__} "
           f"num_workers={a.num_workers} prefetch_factor={a.prefetch_factor} seconds={a.seconds}")
-    print(f"| workload | batch bytes | torch batches/s | shmloader batches/s | shmloader GB/s | ratio |")
-    print("|---|---|---|---|---|---|")
+    print("| workload | batch bytes | torch batches/s | shmloader batches/s | shmloader GB/s | ratio "
+          "| CPU µs/batch main+workers: torch | shmloader |")
+    print("|---|---|---|---|---|---|---|---|")
     for w in a.workloads.split(","):
         bs, shape, dtype = WORKLOADS[w]
         nbytes = bs * torch.Size(shape).numel() * dtype.itemsize
-        t = rate(make(torch.utils.data.DataLoader, w, a.num_workers, a.prefetch_factor), a.seconds)
-        s = rate(make(shmloader.DataLoader, w, a.num_workers, a.prefetch_factor), a.seconds)
-        print(f"| {w} | {nbytes:,} | {t:,.0f} | {s:,.0f} | {s * nbytes / 1e9:.2f} | {s / t:.1f}x |", flush=True)
+        t, t_cpu = rate(make(torch.utils.data.DataLoader, w, a.num_workers, a.prefetch_factor), a.seconds)
+        s, s_cpu = rate(make(shmloader.DataLoader, w, a.num_workers, a.prefetch_factor), a.seconds)
+        fmt = lambda c: " + ".join(f"{x:.0f}" for x in c)  # noqa: E731
+        print(f"| {w} | {nbytes:,} | {t:,.0f} | {s:,.0f} | {s * nbytes / 1e9:.2f} | {s / t:.1f}x "
+              f"| {fmt(t_cpu)} | {fmt(s_cpu)} |", flush=True)
 
 
 if __name__ == "__main__":
