@@ -29,6 +29,7 @@ import posix_ipc
 import torch
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
+from . import _device
 from ._dispatch import Dispatcher
 from ._errors import BatchTooLargeError, CorruptSlotError
 from ._layout import DONE, F, RingGeometry, Status, slot_data_bytes
@@ -64,6 +65,7 @@ class RingIterator(_BaseDataLoaderIter):
         self._dispatcher = Dispatcher(self._num_workers, self._iterable)
         self._leases = Leases(self._num_slots)
         self.copies = 0  # batches delivered as copies because the user held the ring
+        self.pinned = False  # the ring is page-locked (pin_memory=True on CUDA)
         ctx = loader.multiprocessing_context or torch.multiprocessing
         self._doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         configs = [
@@ -166,6 +168,11 @@ class RingIterator(_BaseDataLoaderIter):
                 probe = (wid, seq)
         ring = Ring(RingGeometry(self._num_workers, self._num_slots, data_bytes))
         self._ring = ring
+        if self._pin_memory:
+            if self._pin_memory_device == "cuda":
+                self.pinned = _device.register_host(ring.mm, ring.geometry.total_bytes)
+            else:
+                _device.warn_unsupported(self._pin_memory_device)
         self._free = list(range(self._num_slots - 1, -1, -1))
         for wid in range(self._num_workers):
             pending = -1

@@ -10,7 +10,7 @@ from typing import Any
 from ._errors import WorkerDiedError
 from ._worker import InheritedFd, WorkerConfig, worker_main
 
-JOIN_GRACE_S = 2.0
+JOIN_GRACE_S = 0.5  # a worker stuck in user code is terminated after this
 
 
 class WorkerPool:
