@@ -233,8 +233,11 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "shmloader._native",
-    "Slot header codec of shmloader (see native/_native.c).", -1, methods,
+    PyModuleDef_HEAD_INIT,
+    .m_name = "shmloader._native",
+    .m_doc = "Slot header codec of shmloader (see native/_native.c).",
+    .m_size = -1,
+    .m_methods = methods,
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
