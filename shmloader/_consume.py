@@ -140,17 +140,10 @@ class RingIterator(_BaseDataLoaderIter):
         data_bytes = self._slot_bytes
         probe: tuple[int, int] | None = None
         while data_bytes is None:
-            wid = self._dispatcher.pick()
-            if wid is None:
-                self._sampler_done = True
+            task = self._next_task()
+            if task is None:
                 return
-            try:
-                index = self._next_index()  # type: ignore[no-untyped-call]
-            except StopIteration:
-                self._sampler_done = True
-                return
-            seq = self._send_seq
-            self._send_seq += 1
+            wid, seq, index = task
             self._pool.send(wid, ("probe", self._epoch, seq, index))
             yield from self._wait_conns([wid])
             _, status, needed, error = self._pool.conns[wid].recv()
@@ -178,9 +171,7 @@ class RingIterator(_BaseDataLoaderIter):
             pending = -1
             if probe is not None and probe[0] == wid:
                 pending = self._free.pop()
-                self._inflight[pending] = (wid, self._epoch, probe[1])
-                self._outstanding += 1
-                self._dispatcher.load[wid] += 1
+                self._track(pending, wid, probe[1])
             self._pool.send(wid, ("ring", ring.spec, pending))
         for wid in range(self._num_workers):
             yield from self._wait_conns([wid])
@@ -197,21 +188,33 @@ class RingIterator(_BaseDataLoaderIter):
     def _dispatch(self) -> None:
         assert self._ring is not None
         while self._free and not self._sampler_done:
-            wid = self._dispatcher.pick()
-            if wid is None:
-                self._sampler_done = True
+            task = self._next_task()
+            if task is None:
                 return
-            try:
-                index = self._next_index()  # type: ignore[no-untyped-call]
-            except StopIteration:
-                self._sampler_done = True
-                return
+            wid, seq, index = task
             slot = self._free.pop()
-            seq = self._send_seq
-            self._send_seq += 1
-            self._inflight[slot] = (wid, self._epoch, seq)
-            self._outstanding += 1
+            self._track(slot, wid, seq)
             self._dispatcher.submit(self._ring, slot, wid, self._epoch, seq, index)
+
+    def _next_task(self) -> tuple[int, int, Any] | None:
+        """(worker, seq, index) of the epoch's next batch, or None when there is none."""
+        wid = self._dispatcher.pick()
+        if wid is None:
+            self._sampler_done = True
+            return None
+        try:
+            index = self._next_index()  # type: ignore[no-untyped-call]
+        except StopIteration:
+            self._sampler_done = True
+            return None
+        seq = self._send_seq
+        self._send_seq += 1
+        return wid, seq, index
+
+    def _track(self, slot: int, wid: int, seq: int) -> None:
+        self._inflight[slot] = (wid, self._epoch, seq)
+        self._outstanding += 1
+        self._dispatcher.load[wid] += 1
 
     def _collect(self) -> None:
         """Move DONE slots from in flight to ready, one per semaphore token."""

@@ -20,7 +20,7 @@ class Dispatcher:
     def __init__(self, num_workers: int, iterable: bool) -> None:
         self.num_workers = num_workers
         self.iterable = iterable
-        self.load = [0] * num_workers
+        self.load = [0] * num_workers  # tasks in flight per worker, kept by the consumer
         self.reset()
 
     def reset(self) -> None:
@@ -54,5 +54,4 @@ class Dispatcher:
         hdr[F.TASK_LEN] = len(payload)
         start = ring.data_offsets[slot]
         ring.mm[start : start + len(payload)] = payload
-        self.load[wid] += 1
         ring.push_task(wid, slot)
