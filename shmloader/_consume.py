@@ -32,7 +32,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 from . import _device
 from ._dispatch import Dispatcher
 from ._errors import BatchTooLargeError, CorruptSlotError
-from ._layout import DONE, F, RingGeometry, Status, slot_data_bytes
+from ._layout import DONE, PAGE, F, RingGeometry, Status, round_up, slot_data_bytes
 from ._lease import Leases, leaves_of, read_batch, read_meta, slot_of
 from ._pool import WorkerPool
 from ._ring import Ring
@@ -137,7 +137,7 @@ class RingIterator(_BaseDataLoaderIter):
 
     def _start(self) -> Generator[tuple[Any, ...], None, None]:
         """Size the ring (from the first batch unless known), create it, attach every worker."""
-        data_bytes = self._slot_bytes
+        data_bytes = None if self._slot_bytes is None else round_up(self._slot_bytes, PAGE)
         probe: tuple[int, int] | None = None
         while data_bytes is None:
             task = self._next_task()

@@ -179,12 +179,13 @@ def _publish(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWrite
 
 
 def _write_error(ring: AttachedRing, slot: int, hdr: Any, error: ExceptionWrapper | None) -> None:
-    payload = pickle.dumps(error)
+    """Pickle the worker's exception into the slot, trimming its traceback to fit."""
+    assert error is not None
     cap = ring.geometry.data_bytes
+    payload = pickle.dumps(error)
     if len(payload) > cap:
-        assert error is not None
-        error.exc_msg = error.exc_msg[-(cap // 2):]
-        payload = pickle.dumps(error)[:cap]
+        error.exc_msg = "(traceback trimmed to fit the slot) ..." + error.exc_msg[-(cap // 4):]
+        payload = pickle.dumps(error)
     start = ring.geometry.data_offset(slot)
     ring.bytes[start : start + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
     hdr[F.META_OFF] = 0

@@ -143,3 +143,19 @@ def test_many_epochs_leave_nothing_behind() -> None:
     loader = shmloader.DataLoader(Range(10), batch_size=3, num_workers=2)
     for _ in range(5):
         same(list(loader), list(torch.utils.data.DataLoader(Range(10), batch_size=3)))
+
+
+def test_slot_bytes_need_not_be_a_page_multiple() -> None:
+    got = list(shmloader.DataLoader(Range(9), batch_size=2, num_workers=2, slot_bytes=5000))
+    same(got, list(torch.utils.data.DataLoader(Range(9), batch_size=2)))
+
+
+def test_an_error_larger_than_its_slot_arrives_trimmed() -> None:
+    loader = shmloader.DataLoader(Failing(8, bad=2, exc=LookupError), batch_size=1, num_workers=1,
+                                  slot_bytes=4096, collate_fn=_explode_collate)
+    with pytest.raises(LookupError, match="traceback trimmed to fit the slot"):
+        list(loader)
+
+
+def _explode_collate(batch: list[torch.Tensor]) -> torch.Tensor:
+    raise LookupError("x" * 100_000)
