@@ -1,6 +1,6 @@
 """The worker process: fetch samples, collate into a slot, signal readiness.
 
-A worker starts on a setup pipe: it reports ready, may be asked to produce the first
+A worker starts on a setup pipe: it may be asked to produce the first
 batch privately (the probe that sizes the ring), then receives the ring's spec,
 attaches, and from then on talks only through shared memory: it takes slot numbers
 from its task queue (a semaphore per worker), reads the pickled index from the
