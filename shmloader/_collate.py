@@ -25,7 +25,7 @@ import torch
 from torch.utils.data._utils import collate as torch_collate
 
 from . import _native
-from ._layout import CODE_OF_DTYPE, CODE_OF_NP_DTYPE, LEAF_ALIGN, LONE_LEAF, NP_DTYPES, Kind, round_up
+from ._layout import CODE_OF_DTYPE, CODE_OF_NP_DTYPE, LEAF_ALIGN, LONE_LEAF, Kind, round_up, view_leaf
 
 Leaf = tuple[int, int, int, tuple[int, ...]]  # (dtype code, kind, offset, shape)
 
@@ -62,36 +62,26 @@ class SlotWriter:
         self._keep.append(obj)
         return leaf_id
 
-    def tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """An uninitialised tensor in the slot (or in private memory once it overflowed)."""
-        code = CODE_OF_DTYPE[dtype]
-        nbytes = dtype.itemsize * _numel(shape)
+    def _leaf(self, code: int, kind: Kind, itemsize: int, shape: tuple[int, ...]) -> Any:
+        """An uninitialised leaf in the slot (in private memory once the batch overflowed)."""
+        nbytes = itemsize * _numel(shape)
         off = self._place(nbytes)
         if off is None:
-            out = torch.empty(shape, dtype=dtype)
+            raw = np.empty(nbytes, dtype=np.uint8)
         else:
             assert self._bytes is not None
             start = self.data_off + off
             raw = self._bytes[start : start + nbytes]
-            np_dtype = NP_DTYPES[code]
-            if np_dtype is None:  # bfloat16: no numpy twin
-                out = torch.from_numpy(raw).view(dtype).view(shape)
-            else:  # numpy views are cheaper to make than torch views
-                out = torch.from_numpy(raw.view(np_dtype).reshape(shape))
-        self._record(out, code, Kind.TENSOR, self.used - nbytes, shape)
+        out = view_leaf(raw, code, kind, shape)
+        self._record(out, code, kind, self.used - nbytes, shape)
+        return out
+
+    def tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        out: torch.Tensor = self._leaf(CODE_OF_DTYPE[dtype], Kind.TENSOR, dtype.itemsize, shape)
         return out
 
     def array(self, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
-        code = CODE_OF_NP_DTYPE[dtype]
-        nbytes = dtype.itemsize * _numel(shape)
-        off = self._place(nbytes)
-        if off is None:
-            out: np.ndarray[Any, Any] = np.empty(shape, dtype=dtype)
-        else:
-            assert self._bytes is not None
-            start = self.data_off + off
-            out = self._bytes[start : start + nbytes].view(dtype).reshape(shape)
-        self._record(out, code, Kind.NUMPY, self.used - nbytes, shape)
+        out: np.ndarray[Any, Any] = self._leaf(CODE_OF_NP_DTYPE[dtype], Kind.NUMPY, dtype.itemsize, shape)
         return out
 
     def leaf_id(self, obj: object) -> int | None:

@@ -314,22 +314,22 @@ class RingIterator(_BaseDataLoaderIter):
         # torch's __next__ without the record_function scope, which costs more than
         # a small batch's whole transport when no profiler is listening.
         data = self._next_data()
+        self._count_yield()
+        return data
+
+    def _count_yield(self) -> None:
+        """torch's bookkeeping after a batch is handed out (sync and async alike)."""
         self._num_yielded += 1
         if self._iterable and self._IterableDataset_len_called is not None and (
             self._num_yielded > self._IterableDataset_len_called
         ):
-            return self._warn_len(data)
-        return data
-
-    def _warn_len(self, data: Any) -> Any:
-        warnings.warn(
-            f"Length of IterableDataset {self._dataset} was reported to be "
-            f"{self._IterableDataset_len_called}(when accessing len(dataloader)), but "
-            f"{self._num_yielded} samples have been fetched. For multiprocessing data-loading, this "
-            "could be caused by not properly configuring the IterableDataset replica at each worker.",
-            stacklevel=3,
-        )
-        return data
+            warnings.warn(
+                f"Length of IterableDataset {self._dataset} was reported to be "
+                f"{self._IterableDataset_len_called}(when accessing len(dataloader)), but "
+                f"{self._num_yielded} samples have been fetched. For multiprocessing data-loading, this "
+                "could be caused by not properly configuring the IterableDataset replica at each worker.",
+                stacklevel=4,
+            )
 
     def _next_data(self) -> Any:
         steps = self._steps()
@@ -381,7 +381,7 @@ class RingIterator(_BaseDataLoaderIter):
             raise
         if result is _END:
             raise StopAsyncIteration
-        self._num_yielded += 1
+        self._count_yield()
         return result
 
     async def _await(self, request: tuple[Any, ...]) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import mmap
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import torch
@@ -96,6 +96,22 @@ CODE_OF_NP_DTYPE: Final = {d: i for i, d in enumerate(NP_DTYPES) if d is not Non
 
 # The skeleton of a batch that is one leaf: pickle protocol 5 of persistent id 0.
 LONE_LEAF: Final = b"\x80\x05\x95\x04\x00\x00\x00\x00\x00\x00\x00K\x00Q."
+
+
+def view_leaf(raw: np.ndarray[Any, Any], code: int, kind: int, shape: tuple[int, ...]) -> Any:
+    """The leaf ``(code, kind, shape)`` as a view of ``raw`` (uint8, exactly its bytes).
+
+    Writer and reader both build leaves here. numpy views are the cheapest to make, so
+    tensors are numpy views wrapped by ``torch.from_numpy``; bfloat16, which numpy lacks,
+    is viewed through torch. Raises ValueError for a numpy leaf of such a dtype.
+    """
+    np_dtype = NP_DTYPES[code]
+    if np_dtype is None:
+        if kind != Kind.TENSOR:
+            raise ValueError(f"numpy leaf with dtype {DTYPES[code]}, which numpy lacks")
+        return torch.from_numpy(raw).view(DTYPES[code]).view(shape)
+    arr = raw.view(np_dtype).reshape(shape)
+    return torch.from_numpy(arr) if kind == Kind.TENSOR else arr
 
 
 def round_up(n: int, to: int) -> int:

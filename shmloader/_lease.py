@@ -22,7 +22,7 @@ import torch
 
 from . import _native
 from ._errors import CorruptSlotError
-from ._layout import DTYPES, LONE_LEAF, NP_DTYPES, F, Kind
+from ._layout import LONE_LEAF, F, Kind, view_leaf
 from ._ring import Ring
 
 
@@ -120,17 +120,13 @@ def read_batch(ring: Ring, slot: int, copy: bool) -> tuple[Any, np.ndarray[Any, 
     base = np.frombuffer(ring.mm, dtype=np.uint8, count=cap, offset=data_off)
     leaves: list[Any] = []
     for code, kind, off, nbytes, shape in table:
-        np_dtype = NP_DTYPES[code]
-        if np_dtype is None:  # bfloat16: no numpy twin, view through torch
-            if kind != _TENSOR:
-                raise CorruptSlotError(f"slot {slot}: numpy leaf with dtype {DTYPES[code]}, which numpy lacks")
-            t = torch.from_numpy(base[off : off + nbytes]).view(DTYPES[code]).view(shape)
-            leaves.append(t.clone() if copy else t)
-            continue
-        a = base[off : off + nbytes].view(np_dtype).reshape(shape)
+        try:
+            leaf = view_leaf(base[off : off + nbytes], code, kind, shape)
+        except ValueError as exc:
+            raise CorruptSlotError(f"slot {slot}: {exc}") from None
         if copy:
-            a = a.copy()
-        leaves.append(torch.from_numpy(a) if kind == _TENSOR else a)
+            leaf = leaf.clone() if kind == _TENSOR else leaf.copy()
+        leaves.append(leaf)
     if meta == LONE_LEAF and len(leaves) == 1:
         return leaves[0], base
     return _LeafUnpickler(meta, leaves).load(), base
