@@ -6,7 +6,9 @@ Prints markdown tables: host-to-device GB/s at 4, 64 and 256 MiB from a register
 shmloader segment, a torch pinned tensor and pageable memory; then the image workload
 (128 x uint8[3,224,224]) delivered to the GPU by shmloader(pin_memory=True) and by torch's
 DataLoader(pin_memory=True), each followed by .to("cuda", non_blocking=True) and a small
-kernel, in the same run.
+kernel, in the same run, plus shmloader(device="cuda") delivering on its side stream;
+finally the GPU idle share of a synthetic training step fed by each loader and by data
+already resident on the GPU.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,38 +66,100 @@ class Ready(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return self.item
 
 
-def loader_rate(cls: type, workers: int, seconds: float) -> float:
-    loader = cls(Ready(), batch_size=128, num_workers=workers, pin_memory=True, persistent_workers=True)
-    it = iter(loader)
+LOADERS = {
+    "torch DataLoader(pin_memory) + .to": (torch.utils.data.DataLoader, {"pin_memory": True}),
+    "shmloader(pin_memory) + .to": (shmloader.DataLoader, {"pin_memory": True}),
+    "shmloader(device='cuda')": (shmloader.DataLoader, {"device": "cuda"}),
+}
+
+
+def batches(name: str, workers: int) -> Any:
+    cls, kw = LOADERS[name]
+    it = iter(cls(Ready(), batch_size=128, num_workers=workers, persistent_workers=True, **kw))
+    while True:
+        yield next(it).to("cuda", non_blocking=True)  # a no-op for device batches
+
+
+def loader_rate(name: str, workers: int, seconds: float) -> float:
+    source = batches(name, workers)
     acc = torch.zeros((), device="cuda")
     for _ in range(10):
-        acc += next(it).to("cuda", non_blocking=True)[0, 0, 0, 0]
+        acc += next(source)[0, 0, 0, 0]
     torch.cuda.synchronize()
     n, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
-        batch = next(it).to("cuda", non_blocking=True)
-        acc += batch[:, 0, 0, 0].float().mean()
+        acc += next(source)[:, 0, 0, 0].float().mean()
         n += 1
     torch.cuda.synchronize()
     return n / (time.perf_counter() - start)
+
+
+def idle_fraction(source: Any, step_cycles: int, steps: int) -> float:
+    """GPU idle share of a synthetic training step (a fixed GPU spin plus a kernel reading
+    the batch), measured with events on the consumer's stream."""
+    for _ in range(5):
+        torch.cuda._sleep(step_cycles)
+        next(source).float().mean()
+    torch.cuda.synchronize()
+    events = []
+    for _ in range(steps):
+        batch = next(source)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        batch[:, 0].float().mean()
+        torch.cuda._sleep(step_cycles)
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    busy = sum(s.elapsed_time(e) for s, e in events)
+    wall = events[0][0].elapsed_time(events[-1][1])
+    return max(0.0, 1 - busy / wall)
+
+
+def cycles_per_ms() -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)
+    start.record()
+    torch.cuda._sleep(20_000_000)
+    end.record()
+    end.synchronize()
+    return 20_000_000 / start.elapsed_time(end)
+
+
+def resident(batch_on_gpu: torch.Tensor) -> Any:
+    while True:
+        yield batch_on_gpu
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument("--num-workers", default="2,4")
+    p.add_argument("--step-ms", type=float, default=5.0)
+    p.add_argument("--steps", type=int, default=200)
     a = p.parse_args()
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip()
     print(f"# {time.strftime('%Y-%m-%d')} GPU: {smi}; torch {torch.__version__}; CUDA {torch.version.cuda}")
     bandwidth_table()
     print()
-    print("| workers | torch DataLoader(pin_memory) batches/s | shmloader(pin_memory) batches/s | ratio | shmloader GB/s |")
-    print("|---|---|---|---|---|")
+    names = list(LOADERS)
+    print("| workers | " + " | ".join(f"{n} batches/s" for n in names) + " | device / torch |")
+    print("|---|" + "---|" * (len(names) + 1))
     for w in (int(x) for x in a.num_workers.split(",")):
-        t = loader_rate(torch.utils.data.DataLoader, w, a.seconds)
-        s = loader_rate(shmloader.DataLoader, w, a.seconds)
-        print(f"| {w} | {t:,.1f} | {s:,.1f} | {s / t:.1f}x | {s * 128 * 3 * 224 * 224 / 1e9:.1f} |", flush=True)
+        r = [loader_rate(n, w, a.seconds) for n in names]
+        print(f"| {w} | " + " | ".join(f"{x:,.1f}" for x in r) + f" | {r[-1] / r[0]:.1f}x |", flush=True)
+    print()
+    cycles = int(a.step_ms * cycles_per_ms())
+    w = int(a.num_workers.split(",")[-1])
+    print(f"GPU idle during a synthetic {a.step_ms} ms step ({a.steps} steps, {w} workers, image batches):")
+    print()
+    print("| data source | GPU idle |")
+    print("|---|---|")
+    on_gpu = torch.ones((128, 3, 224, 224), dtype=torch.uint8, device="cuda")
+    print(f"| already resident on the GPU | {idle_fraction(resident(on_gpu), cycles, a.steps):.1%} |", flush=True)
+    for n in names:
+        print(f"| {n} | {idle_fraction(batches(n, w), cycles, a.steps):.1%} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from . import _device
 from ._dispatch import Dispatcher
 from ._errors import BatchTooLargeError, CorruptSlotError
 from ._layout import DONE, PAGE, F, RingGeometry, Status, round_up, slot_data_bytes
-from ._lease import Leases, leaves_of, read_batch, read_meta, slot_of
+from ._lease import Leases, copy_leaf, leaves_of, read_batch, read_meta, slot_of
 from ._pool import WorkerPool
 from ._ring import Ring
 from ._worker import WorkerConfig
@@ -65,7 +65,10 @@ class RingIterator(_BaseDataLoaderIter):
         self._dispatcher = Dispatcher(self._num_workers, self._iterable)
         self._leases = Leases(self._num_slots)
         self.copies = 0  # batches delivered as copies because the user held the ring
-        self.pinned = False  # the ring is page-locked (pin_memory=True on CUDA)
+        self.pinned = False  # the ring is page-locked (pin_memory=True or device= on CUDA)
+        self._device: torch.device | None = loader._shm_device
+        self._device_prefetch: int = loader.device_prefetch
+        self._stager: _device.DeviceStager | None = None  # made with the ring, after the fork
         ctx = loader.multiprocessing_context or torch.multiprocessing
         self._doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         configs = [
@@ -98,6 +101,8 @@ class RingIterator(_BaseDataLoaderIter):
             self._epoch += 1
         self._free.extend(self._ready.values())
         self._ready = {}
+        if self._stager is not None:
+            self._stager.drain()
         self._outstanding = 0
         self._send_seq = 0
         self._rcvd_seq = 0
@@ -116,17 +121,30 @@ class RingIterator(_BaseDataLoaderIter):
         if not self._started and not self._sampler_done:
             yield from self._start()
         while True:
+            stager = self._stager
             if self._ring is not None:
                 self._free.extend(self._leases.take_returned())
+                if stager is not None:
+                    self._free.extend(stager.reap())
                 self._dispatch()
-                slot = self._take_next()
-                if slot is not None:
-                    return self._deliver(slot)
+                if stager is None:
+                    slot = self._take_next()
+                    if slot is not None:
+                        return self._deliver(slot)
+                else:
+                    while stager.has_room() and (slot := self._take_next()) is not None:
+                        stager.stage(self._ring, slot)
+                    if stager.staged:
+                        return stager.pop()
             if self._sampler_done and not self._outstanding and not self._ready:
                 if not self._persistent_workers:
                     self._shutdown_workers()
                 return _END
             self._check()
+            if stager is not None and stager.copying and not self._free:
+                # Every slot is copying or staged: only a copy's completion frees one.
+                self._free.extend(stager.reap(block=True))
+                continue
             yield _READY
 
     def _check(self) -> None:
@@ -161,11 +179,12 @@ class RingIterator(_BaseDataLoaderIter):
                 probe = (wid, seq)
         ring = Ring(RingGeometry(self._num_workers, self._num_slots, data_bytes))
         self._ring = ring
-        if self._pin_memory:
-            if self._pin_memory_device == "cuda":
-                self.pinned = _device.register_host(ring.mm, ring.geometry.total_bytes)
-            else:
-                _device.warn_unsupported(self._pin_memory_device)
+        if self._device is not None:
+            self._stager = _device.DeviceStager(self._device, self._device_prefetch)
+        if self._stager is not None or (self._pin_memory and self._pin_memory_device == "cuda"):
+            self.pinned = _device.register_host(ring.mm, ring.geometry.total_bytes)
+        elif self._pin_memory:
+            _device.warn_unsupported(self._pin_memory_device)
         self._free = list(range(self._num_slots - 1, -1, -1))
         for wid in range(self._num_workers):
             pending = -1
@@ -295,7 +314,7 @@ class RingIterator(_BaseDataLoaderIter):
         # replay buffer) would leave the workers nowhere to write. Copy instead.
         copy = self._leases.holding() + 1 >= self._num_slots
         try:
-            batch, base = read_batch(self._ring, slot, copy)
+            batch, base = read_batch(self._ring, slot, copy_leaf if copy else None)
         except BaseException:
             self._free.append(slot)
             raise
@@ -438,6 +457,8 @@ class RingIterator(_BaseDataLoaderIter):
             return
         self._shutdown = True
         try:
+            if self._stager is not None:
+                self._stager.drain()  # no DMA may outlive the mapping it reads
             self._pool.stop(self._ring)
         finally:
             if self._ring is not None:

@@ -1,25 +1,48 @@
-"""Page-locking the ring in place for fast host-to-device copies.
+"""The device stage: page-locked slots and side-stream transfers to a CUDA device.
 
-With ``pin_memory=True`` on a CUDA machine, the main process registers the whole
-segment with ``cudaHostRegister`` once, right after creating it, so every slot is
-pinned where it lies: no pinned bounce copy, no caching host allocator that grows.
-Batches are views of that memory, so ``batch.to("cuda", non_blocking=True)`` is a true
-asynchronous DMA. The registration is undone when the mapping is freed (after the last
-batch viewing it is dropped).
+Registration: with ``pin_memory=True`` or ``device="cuda..."`` the main process registers
+the whole segment with ``cudaHostRegister`` once, right after creating it, so every slot
+is pinned where it lies: no pinned bounce copy, no caching host allocator that grows.
+The registration is undone when the mapping is freed. If registration fails
+(locked-memory limits, an unsupported platform) this warns, saying what was lost, and
+copies come from pageable memory.
 
-If registration fails (locked-memory limits, an unsupported platform) this warns once,
-saying what was lost, and batches stay in pageable memory. Device-side delivery on a
-side stream is not here yet.
+Delivery (``DeviceStager``): as soon as a slot is ready its tensors are copied with
+``non_blocking=True`` on a dedicated side stream, up to ``depth`` batches ahead of the
+consumer, with one event per batch. The batch handed out is ordered after its copy on
+the consumer's current stream (``wait_event``), and ``record_stream`` keeps the caching
+allocator from reusing its memory while that stream may still read it.
+
+Invariant: a slot is returned to the ring only after the event of its copy has
+completed, so a worker never rewrites memory a DMA is still reading.
 """
 
 from __future__ import annotations
 
+import collections
 import mmap
 import warnings
 import weakref
 from typing import Any
 
 import numpy as np
+import torch
+
+from ._layout import Kind
+from ._lease import read_batch
+from ._ring import Ring
+
+_REGISTERED: set[int] = set()  # addresses registered by this process and not yet unregistered
+
+
+def registered() -> frozenset[int]:
+    """Host addresses this process has page-locked and not yet released (for tests)."""
+    return frozenset(_REGISTERED)
+
+
+def _unregister(cudart: Any, ptr: int) -> None:
+    cudart.cudaHostUnregister(ptr)
+    _REGISTERED.discard(ptr)
 
 
 def _code(err: Any) -> int:
@@ -44,7 +67,8 @@ def register_host(mm: mmap.mmap, nbytes: int, cudart: Any = None) -> bool:
             stacklevel=4,
         )
         return False
-    weakref.finalize(mm, cudart.cudaHostUnregister, ptr)
+    _REGISTERED.add(ptr)
+    weakref.finalize(mm, _unregister, cudart, ptr)
     return True
 
 
@@ -55,3 +79,90 @@ def warn_unsupported(device_type: str | None) -> None:
         RuntimeWarning,
         stacklevel=4,
     )
+
+
+def parse_device(device: Any, num_workers: int) -> torch.device | None:
+    """Validate ``DataLoader(device=...)``; None means CPU batches (no device stage)."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device should be None, 'cpu', 'cuda', 'cuda:N' or a torch.device, but got device={device!r}") from exc
+    if dev.type == "cpu":
+        return None
+    if dev.type != "cuda":
+        raise ValueError(f"device={device!r}: shmloader delivers to CUDA devices only; use device=None and move batches yourself")
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"device={device!r} needs CUDA, but torch.cuda.is_available() is False "
+            f"(torch {torch.__version__}); pass device=None to receive CPU batches"
+        )
+    if num_workers == 0:
+        raise ValueError(f"device={device!r} needs num_workers > 0 (device delivery overlaps the copy with loading)")
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return dev
+
+
+class DeviceStager:
+    """Copies ready slots to the device on a side stream, ahead of the consumer."""
+
+    def __init__(self, device: torch.device, depth: int) -> None:
+        self.device = device
+        self.depth = depth
+        self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        # Staged batches in delivery order: (batch, copy event, its device tensors).
+        self.staged: collections.deque[tuple[Any, Any, list[torch.Tensor]]] = collections.deque()
+        # Slots whose copy may still be running, oldest first (one stream: they finish in order).
+        self.copying: collections.deque[tuple[Any, int]] = collections.deque()
+
+    def has_room(self) -> bool:
+        return len(self.staged) < self.depth
+
+    def stage(self, ring: Ring, slot: int) -> None:
+        """Start the copy of ``slot``'s batch; numpy leaves are copied on the host."""
+        moved: list[torch.Tensor] = []
+
+        def to_device(leaf: Any, kind: int) -> Any:
+            if kind != Kind.TENSOR:
+                return leaf.copy()
+            out = leaf.to(self.device, non_blocking=True)
+            moved.append(out)
+            return out
+
+        with torch.cuda.stream(self.stream):
+            batch, _ = read_batch(ring, slot, to_device)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(self.stream)
+        self.staged.append((batch, event, moved))
+        self.copying.append((event, slot))
+
+    def pop(self) -> Any:
+        """The next staged batch, ordered after its copy on the caller's current stream."""
+        batch, event, moved = self.staged.popleft()
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(event)
+        for t in moved:
+            t.record_stream(current)
+        return batch
+
+    def reap(self, block: bool = False) -> list[int]:
+        """Slots whose copies have completed; with ``block``, wait for the oldest first."""
+        done: list[int] = []
+        while self.copying:
+            event, slot = self.copying[0]
+            if not event.query():
+                if not block or done:
+                    break
+                event.synchronize()
+            self.copying.popleft()
+            done.append(slot)
+        return done
+
+    def drain(self) -> None:
+        """Drop staged batches (a new epoch began) and let every copy finish."""
+        self.staged.clear()
+        self.stream.synchronize()

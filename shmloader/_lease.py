@@ -15,7 +15,7 @@ import io
 import pickle
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -105,9 +105,18 @@ def read_meta(ring: Ring, slot: int) -> bytes:
     return ring.mm[start : start + length]
 
 
-def read_batch(ring: Ring, slot: int, copy: bool) -> tuple[Any, np.ndarray[Any, Any]]:
-    """Build the batch held by ``slot``. Returns (batch, base); the batch's arrays keep
-    ``base`` alive unless ``copy`` made them independent of the slot."""
+LeafConverter = Callable[[Any, int], Any]
+
+
+def copy_leaf(leaf: Any, kind: int) -> Any:
+    """A converter that makes a leaf independent of the slot."""
+    return leaf.clone() if kind == _TENSOR else leaf.copy()
+
+
+def read_batch(ring: Ring, slot: int, convert: LeafConverter | None = None) -> tuple[Any, np.ndarray[Any, Any]]:
+    """Build the batch held by ``slot``. Returns (batch, base): each leaf is a view of slot
+    memory that keeps ``base`` alive, or ``convert(view, kind)`` of it when given (a copy,
+    a device transfer), which then decides whether the slot is still viewed."""
     hdr = ring.headers[slot]
     cap = ring.geometry.data_bytes
     data_off = ring.data_offsets[slot]
@@ -124,9 +133,7 @@ def read_batch(ring: Ring, slot: int, copy: bool) -> tuple[Any, np.ndarray[Any, 
             leaf = view_leaf(base[off : off + nbytes], code, kind, shape)
         except ValueError as exc:
             raise CorruptSlotError(f"slot {slot}: {exc}") from None
-        if copy:
-            leaf = leaf.clone() if kind == _TENSOR else leaf.copy()
-        leaves.append(leaf)
+        leaves.append(leaf if convert is None else convert(leaf, kind))
     if meta == LONE_LEAF and len(leaves) == 1:
         return leaves[0], base
     return _LeafUnpickler(meta, leaves).load(), base

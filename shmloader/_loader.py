@@ -11,8 +11,10 @@ from __future__ import annotations
 import weakref
 from typing import Any, AsyncIterator
 
+import torch
 import torch.utils.data
 
+from . import _device
 from ._consume import RingIterator
 
 
@@ -29,6 +31,12 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         slot_bytes: bytes of one slot's data region. By default the ring is sized from
             the first batch plus 25% and 64 KiB; set it when later batches can be larger
             (variable-length samples, a batch_sampler whose first batch is small).
+        device: ``"cuda"``, ``"cuda:1"`` or a ``torch.device`` to receive batches already on
+            that GPU: the ring is page-locked in place and each ready slot is copied on a side
+            stream ahead of the consumer; the batch is ordered after its copy on your current
+            stream. ``None`` or ``"cpu"``: CPU batches. Needs ``num_workers > 0``.
+        device_prefetch: how many batches may sit on the device ahead of the consumer
+            (bounds the GPU memory used beyond the batches you hold). Default 2.
     """
 
     def __init__(
@@ -52,7 +60,11 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         pin_memory_device: str = "",
         in_order: bool = True,
         slot_bytes: int | None = None,
+        device: str | torch.device | None = None,
+        device_prefetch: int = 2,
     ) -> None:
+        if not isinstance(device_prefetch, int) or device_prefetch < 1:
+            raise ValueError(f"device_prefetch should be a positive int, but got device_prefetch={device_prefetch!r}")
         if slot_bytes is not None and (not isinstance(slot_bytes, int) or slot_bytes <= 0):
             raise ValueError(f"slot_bytes should be a positive int, but got slot_bytes={slot_bytes!r}")
         super().__init__(
@@ -75,6 +87,9 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             in_order=in_order,
         )
         self.slot_bytes = slot_bytes
+        self.device = device
+        self.device_prefetch = device_prefetch
+        self._shm_device = _device.parse_device(device, self.num_workers)
         self._shm_measured_bytes: int | None = None
         self._shm_iterators: weakref.WeakSet[RingIterator] = weakref.WeakSet()
 

@@ -12,7 +12,7 @@ from torch.utils.data import default_collate, default_convert
 
 from shmloader._collate import SlotWriter, slot_collate_map
 from shmloader._layout import F, RingGeometry, slot_data_bytes
-from shmloader._lease import read_batch
+from shmloader._lease import copy_leaf, read_batch
 from shmloader._ring import _Views
 from tests.conftest import same
 from tests.datasets import Custom, Rich
@@ -33,7 +33,7 @@ def round_trip(batch_or_samples: Any, fused: bool, copy: bool = False) -> tuple[
     hdr = views.headers[1]
     hdr[F.TABLE_OFF], hdr[F.TABLE_LEN] = writer.table_off, writer.table_len
     hdr[F.META_OFF], hdr[F.META_LEN] = writer.meta_off, writer.meta_len
-    out, _ = read_batch(views, 1, copy)  # type: ignore[arg-type]
+    out, _ = read_batch(views, 1, copy_leaf if copy else None)  # type: ignore[arg-type]
     return out, writer
 
 

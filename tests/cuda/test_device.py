@@ -1,0 +1,109 @@
+"""device="cuda": batches arrive on the GPU bit-exact, ordered after their copies, and a slot is
+never rewritten while its copy is in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from typing import Any
+
+import pytest
+import torch
+import uvloop
+
+import shmloader
+from shmloader import _device
+from tests.datasets import Range, Rich
+
+
+class Blocks(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Sample i: 64 KiB whose every int32 is i (any stale or torn slot shows)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((16384,), i, dtype=torch.int32)
+
+
+def check_blocks(batch: torch.Tensor, first: int) -> None:
+    assert batch.device.type == "cuda"
+    want = torch.arange(first, first + batch.shape[0], device=batch.device, dtype=torch.int32)
+    assert torch.equal(batch, want[:, None].expand_as(batch))
+
+
+def test_device_batches_equal_cpu_batches_bit_for_bit() -> None:
+    loader = shmloader.DataLoader(Rich(64), batch_size=8, num_workers=2, device="cuda")
+    reference = list(torch.utils.data.DataLoader(Rich(64), batch_size=8))
+    got = list(loader)
+    assert len(got) == len(reference)
+    for b, r in zip(got, reference):
+        assert b["f32"].device.type == "cuda" and b["point"].x.device.type == "cuda"
+        assert torch.equal(b["f32"].cpu(), r["f32"]) and torch.equal(b["u8"].cpu(), r["u8"])
+        assert torch.equal(b["nested"]["a"]["b"].cpu(), r["nested"]["a"]["b"])
+        assert b["str"] == r["str"] and b["bytes"] == r["bytes"]
+
+
+def test_a_slot_is_not_reused_while_its_copy_is_in_flight() -> None:
+    # Two slots, and a side stream slowed down after every batch: if a slot went back to
+    # the workers before its copy finished, a later batch would be torn or stale.
+    loader = shmloader.DataLoader(Blocks(400), batch_size=2, num_workers=2, prefetch_factor=1,
+                                  device="cuda", device_prefetch=1)
+    it = iter(loader)
+    for i in range(200):
+        batch = next(it)
+        assert it._stager is not None
+        with torch.cuda.stream(it._stager.stream):
+            torch.cuda._sleep(2_000_000)  # delay the copies still to come
+        torch.cuda._sleep(1_000_000)  # and a slow consumer stream
+        check_blocks(batch, 2 * i)
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_registration_is_undone_when_the_loader_is_gone() -> None:
+    before = _device.registered()
+    loader = shmloader.DataLoader(Range(20), batch_size=4, num_workers=2, device="cuda")
+    it = iter(loader)
+    next(it)
+    assert it.pinned and len(_device.registered() - before) == 1
+    for _ in it:
+        pass
+    del it, loader
+    gc.collect()
+    assert _device.registered() == before
+
+
+@pytest.mark.parametrize("run", [asyncio.run, uvloop.run])
+def test_async_device_delivery(run: Any) -> None:
+    loader = shmloader.DataLoader(Blocks(64), batch_size=4, num_workers=2, device="cuda:0")
+
+    async def collect() -> list[torch.Tensor]:
+        return [b async for b in loader]
+
+    for i, batch in enumerate(run(collect())):
+        check_blocks(batch, 4 * i)
+
+
+def test_out_of_order_and_persistent_epochs_on_device() -> None:
+    got = list(shmloader.DataLoader(Blocks(60), batch_size=3, num_workers=2, in_order=False, device="cuda"))
+    firsts = sorted(int(b[0, 0]) for b in got)
+    assert firsts == list(range(0, 60, 3))
+    loader = shmloader.DataLoader(Blocks(30), batch_size=3, num_workers=2, persistent_workers=True, device="cuda")
+    for i, batch in enumerate(loader):
+        if i == 3:
+            break
+    for epoch in range(2):
+        batches = list(loader)
+        assert len(batches) == 10
+        for i, batch in enumerate(batches):
+            check_blocks(batch, 3 * i)
+    loader._iterator._shutdown_workers()
+
+
+def test_device_needs_workers() -> None:
+    with pytest.raises(ValueError, match="needs num_workers > 0"):
+        shmloader.DataLoader(Range(4), device="cuda")
