@@ -69,6 +69,7 @@ class RingIterator(_BaseDataLoaderIter):
         self._device: torch.device | None = loader._shm_device
         self._device_prefetch: int = loader.device_prefetch
         self._stager: _device.DeviceStager | None = None  # made with the ring, after the fork
+        self._pending_error: Exception | None = None
         ctx = loader.multiprocessing_context or torch.multiprocessing
         self._doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         configs = [
@@ -115,6 +116,11 @@ class RingIterator(_BaseDataLoaderIter):
 
     # ----------------------------------------------------------------- logic
     def _steps(self) -> Generator[tuple[Any, ...], None, Any]:
+        if self._stager is not None and self._stager.staged:
+            return self._stager.pop()  # batches staged before an error or shutdown come first
+        if self._pending_error is not None:
+            error, self._pending_error = self._pending_error, None
+            raise error
         if self._shutdown:
             return _END
         self._deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
@@ -132,8 +138,13 @@ class RingIterator(_BaseDataLoaderIter):
                     if slot is not None:
                         return self._deliver(slot)
                 else:
-                    while stager.has_room() and (slot := self._take_next()) is not None:
-                        stager.stage(self._ring, slot)
+                    try:
+                        while stager.has_room() and (slot := self._take_next()) is not None:
+                            stager.stage(self._ring, slot)
+                    except Exception as error:
+                        if not stager.staged:
+                            raise
+                        self._pending_error = error  # raised in its turn, after the staged batches
                     if stager.staged:
                         return stager.pop()
             if self._sampler_done and not self._outstanding and not self._ready:
@@ -458,7 +469,7 @@ class RingIterator(_BaseDataLoaderIter):
         self._shutdown = True
         try:
             if self._stager is not None:
-                self._stager.drain()  # no DMA may outlive the mapping it reads
+                self._stager.stream.synchronize()  # no DMA may outlive the mapping it reads
             self._pool.stop(self._ring)
         finally:
             if self._ring is not None:

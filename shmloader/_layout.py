@@ -109,6 +109,8 @@ def view_leaf(raw: np.ndarray[Any, Any], code: int, kind: int, shape: tuple[int,
     if np_dtype is None:
         if kind != Kind.TENSOR:
             raise ValueError(f"numpy leaf with dtype {DTYPES[code]}, which numpy lacks")
+        if raw.size == 0:  # torch cannot reinterpret an empty byte view; nothing to share
+            return torch.empty(shape, dtype=DTYPES[code])
         return torch.from_numpy(raw).view(DTYPES[code]).view(shape)
     arr = raw.view(np_dtype).reshape(shape)
     return torch.from_numpy(arr) if kind == Kind.TENSOR else arr

@@ -107,3 +107,13 @@ def test_out_of_order_and_persistent_epochs_on_device() -> None:
 def test_device_needs_workers() -> None:
     with pytest.raises(ValueError, match="needs num_workers > 0"):
         shmloader.DataLoader(Range(4), device="cuda")
+
+
+def test_a_worker_error_comes_after_the_batches_before_it() -> None:
+    from tests.datasets import Failing
+
+    got = []
+    with pytest.raises(ValueError, match="sample 13 is broken"):
+        for batch in shmloader.DataLoader(Failing(40, bad=13), batch_size=4, num_workers=2, device="cuda"):
+            got.append(batch.cpu().flatten().tolist())
+    assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]

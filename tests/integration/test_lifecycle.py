@@ -159,3 +159,11 @@ def test_an_error_larger_than_its_slot_arrives_trimmed() -> None:
 
 def _explode_collate(batch: list[torch.Tensor]) -> torch.Tensor:
     raise LookupError("x" * 100_000)
+
+
+def test_a_worker_error_comes_after_the_batches_before_it() -> None:
+    got = []
+    with pytest.raises(ValueError, match="sample 13 is broken"):
+        for batch in shmloader.DataLoader(Failing(40, bad=13), batch_size=4, num_workers=2):
+            got.append(batch.flatten().tolist())
+    assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]

@@ -126,3 +126,14 @@ def test_slot_sizing_policy() -> None:
     g = RingGeometry(num_workers=3, num_slots=6, data_bytes=8192)
     assert g.data_offset(0) % mmap.PAGESIZE == 0
     assert g.total_bytes == g.control_bytes + 6 * (mmap.PAGESIZE + 8192)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_empty_leaves_round_trip_and_measure(dtype: torch.dtype) -> None:
+    samples = [torch.empty(0, 2, dtype=dtype) for _ in range(3)]
+    out, _ = round_trip(samples, fused=True)
+    same(out, default_collate(samples))
+    probe = SlotWriter(None)
+    probe.begin(0, 0)
+    batch = torch.utils.data._utils.collate.collate(samples, collate_fn_map=slot_collate_map(probe))
+    assert batch.shape == (3, 0, 2) and probe.finish(batch) > 0
