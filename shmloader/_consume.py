@@ -39,6 +39,7 @@ from ._ring import Ring
 from ._worker import WorkerConfig
 
 CHECK_S = 0.25  # how often a blocked sync wait checks worker liveness
+PARENT_CHECK_S = 0.5  # how often an idle worker checks that this process lives
 _END = object()
 _READY = ("ready",)
 
@@ -84,6 +85,7 @@ class RingIterator(_BaseDataLoaderIter):
                 base_seed=int(self._base_seed),
                 worker_init_fn=loader.worker_init_fn,
                 parent_pid=os.getpid(),
+                parent_check_s=PARENT_CHECK_S,
             )
             for i in range(self._num_workers)
         ]

@@ -17,6 +17,7 @@ import dataclasses
 import os
 import pickle
 import random
+import select
 import signal
 import struct
 import sys
@@ -32,7 +33,6 @@ from ._collate import SlotWriter, slot_collate_map
 from ._layout import DONE, F, Status
 from ._ring import AttachedRing, RingSpec
 
-PARENT_CHECK_S = 0.5
 _ONE = struct.pack("=Q", 1)
 
 
@@ -50,6 +50,7 @@ class WorkerConfig:
     base_seed: int
     worker_init_fn: Callable[[int], None] | None
     parent_pid: int
+    parent_check_s: float = 0.5  # how often an idle worker checks that the loader lives
 
 
 @dataclasses.dataclass
@@ -192,8 +193,28 @@ def _write_error(ring: AttachedRing, slot: int, hdr: Any, error: ExceptionWrappe
     hdr[F.META_LEN] = len(payload)
 
 
-def _parent_alive(cfg: WorkerConfig) -> bool:
-    return os.getppid() == cfg.parent_pid
+class ParentWatch:
+    """Whether the loader's process lives. Not ``getppid()``: under forkserver a worker's
+    parent is the fork server, not the loader. A pidfd (Linux >= 5.3) cannot be fooled by
+    pid reuse; elsewhere fall back to signal 0."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        try:
+            self.fd: int | None = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            self.fd = None
+
+    def alive(self) -> bool:
+        if self.fd is not None:
+            return not select.select([self.fd], [], [], 0)[0]  # readable once it has exited
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
 
 
 def worker_main(cfg: WorkerConfig, conn: Any, doorbell: InheritedFd) -> None:
@@ -207,14 +228,15 @@ def worker_main(cfg: WorkerConfig, conn: Any, doorbell: InheritedFd) -> None:
 
 
 def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
+    parent = ParentWatch(cfg.parent_pid)
     init_error = _init(cfg)
     producer = _Producer(cfg)
     probe_writer = SlotWriter(None)
     pending: tuple[int, int, Outcome, Any] | None = None
     # Setup phase: the pipe carries the probe and the ring's spec.
     while True:
-        if not conn.poll(PARENT_CHECK_S):
-            if not _parent_alive(cfg):
+        if not conn.poll(cfg.parent_check_s):
+            if not parent.alive():
                 return
             continue
         msg = conn.recv()
@@ -249,9 +271,9 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
     del pending
     # Steady state: shared memory and semaphores only.
     while True:
-        slot = ring.next_task(PARENT_CHECK_S)
+        slot = ring.next_task(cfg.parent_check_s)
         if slot is None:
-            if not _parent_alive(cfg):
+            if not parent.alive():
                 return
             continue
         if slot < 0:

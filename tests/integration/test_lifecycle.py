@@ -167,3 +167,27 @@ def test_a_worker_error_comes_after_the_batches_before_it() -> None:
         for batch in shmloader.DataLoader(Failing(40, bad=13), batch_size=4, num_workers=2):
             got.append(batch.flatten().tolist())
     assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+def test_idle_workers_keep_running_under_every_start_method(
+    context: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Workers check for a dead loader whenever they are idle; check every millisecond so
+    # that they surely do, and under forkserver (whose workers are not our children) too.
+    monkeypatch.setattr(shmloader._consume, "PARENT_CHECK_S", 0.001)
+    loader = shmloader.DataLoader(Range(60), batch_size=2, num_workers=2, multiprocessing_context=context)
+    same(list(loader), list(torch.utils.data.DataLoader(Range(60), batch_size=2)))
+
+
+def test_parent_watch() -> None:
+    import multiprocessing
+
+    from shmloader._worker import ParentWatch
+
+    assert ParentWatch(os.getpid()).alive()
+    child = multiprocessing.get_context("fork").Process(target=os.getpid)
+    child.start()
+    watch = ParentWatch(child.pid)  # type: ignore[arg-type]
+    child.join()
+    assert not watch.alive()
