@@ -10,6 +10,9 @@ batch's journey per file (see shmloader/README.md):
     _worker.py    worker loop: fetch, collate into the slot, signal
     _collate.py   collate straight into slot memory; leaf pickling
     _lease.py     slot -> batch views, and back to the ring when dropped
+    _device.py    page-locking the ring; side-stream copies to a CUDA device
+    _budget.py    ring sizing: slot count and size, memory_budget
+    _stats.py     telemetry: counters and the stats() snapshot
     _ring.py      the segment, its semaphores, header and queue views
     _layout.py    the byte layout shared by writer and reader
     _shm.py       POSIX shared memory and semaphores: create, attach, unlink
@@ -20,15 +23,21 @@ from torch.utils.data import get_worker_info as get_worker_info
 
 from ._errors import BatchTooLargeError as BatchTooLargeError
 from ._errors import CorruptSlotError as CorruptSlotError
+from ._errors import MemoryBudgetError as MemoryBudgetError
 from ._errors import SharedMemoryFullError as SharedMemoryFullError
 from ._errors import ShmLoaderError as ShmLoaderError
 from ._errors import WorkerDiedError as WorkerDiedError
 from ._loader import DataLoader as DataLoader
+from ._stats import LoaderStats as LoaderStats
+from ._stats import RingOccupancy as RingOccupancy
 
 __all__ = [
     "BatchTooLargeError",
     "CorruptSlotError",
     "DataLoader",
+    "LoaderStats",
+    "MemoryBudgetError",
+    "RingOccupancy",
     "SharedMemoryFullError",
     "ShmLoaderError",
     "WorkerDiedError",

@@ -32,10 +32,12 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 from . import _device
 from ._dispatch import Dispatcher
 from ._errors import BatchTooLargeError, CorruptSlotError
-from ._layout import DONE, PAGE, F, RingGeometry, Status, round_up, slot_data_bytes
+from ._budget import plan_ring
+from ._layout import DONE, C, F, Status
 from ._lease import Leases, copy_leaf, leaves_of, read_batch, read_meta, slot_of
 from ._pool import WorkerPool
 from ._ring import Ring
+from ._stats import Counters, RingOccupancy
 from ._worker import WorkerConfig
 
 CHECK_S = 0.25  # how often a blocked sync wait checks worker liveness
@@ -51,8 +53,12 @@ class RingIterator(_BaseDataLoaderIter):
         super().__init__(loader)
         self._loader = weakref.ref(loader)
         self._in_order: bool = loader.in_order
-        self._num_slots: int = self._num_workers * loader.prefetch_factor
-        self._slot_bytes: int | None = loader.slot_bytes or loader._shm_measured_bytes
+        self._prefetch_factor: int = loader.prefetch_factor
+        self._num_slots: int = self._num_workers * self._prefetch_factor  # memory_budget may lower it
+        self._slot_bytes: int | None = loader.slot_bytes
+        self._first_batch_bytes: int | None = loader._shm_first_batch_bytes
+        self._memory_budget: int | None = loader._shm_memory_budget
+        self._counters: Counters = loader._shm_counters
         self._iterable = self._dataset_kind == _DatasetKind.Iterable
         self._shutdown = True  # until the workers exist
         self._ring: Ring | None = None
@@ -65,7 +71,6 @@ class RingIterator(_BaseDataLoaderIter):
         self._ready: dict[int, int] = {}  # seq -> slot
         self._dispatcher = Dispatcher(self._num_workers, self._iterable)
         self._leases = Leases(self._num_slots)
-        self.copies = 0  # batches delivered as copies because the user held the ring
         self.pinned = False  # the ring is page-locked (pin_memory=True or device= on CUDA)
         self._device: torch.device | None = loader._shm_device
         self._device_prefetch: int = loader.device_prefetch
@@ -119,6 +124,7 @@ class RingIterator(_BaseDataLoaderIter):
     # ----------------------------------------------------------------- logic
     def _steps(self) -> Generator[tuple[Any, ...], None, Any]:
         if self._stager is not None and self._stager.staged:
+            self._counters.batches += 1
             return self._stager.pop()  # batches staged before an error or shutdown come first
         if self._pending_error is not None:
             error, self._pending_error = self._pending_error, None
@@ -142,12 +148,13 @@ class RingIterator(_BaseDataLoaderIter):
                 else:
                     try:
                         while stager.has_room() and (slot := self._take_next()) is not None:
-                            stager.stage(self._ring, slot)
+                            self._counters.bytes += stager.stage(self._ring, slot)
                     except Exception as error:
                         if not stager.staged:
                             raise
                         self._pending_error = error  # raised in its turn, after the staged batches
                     if stager.staged:
+                        self._counters.batches += 1
                         return stager.pop()
             if self._sampler_done and not self._outstanding and not self._ready:
                 if not self._persistent_workers:
@@ -168,9 +175,9 @@ class RingIterator(_BaseDataLoaderIter):
 
     def _start(self) -> Generator[tuple[Any, ...], None, None]:
         """Size the ring (from the first batch unless known), create it, attach every worker."""
-        data_bytes = None if self._slot_bytes is None else round_up(self._slot_bytes, PAGE)
+        first = self._first_batch_bytes
         probe: tuple[int, int] | None = None
-        while data_bytes is None:
+        while self._slot_bytes is None and first is None:
             task = self._next_task()
             if task is None:
                 return
@@ -185,12 +192,14 @@ class RingIterator(_BaseDataLoaderIter):
                 self._shutdown_workers()
                 error.reraise()
             else:
-                data_bytes = slot_data_bytes(needed)
+                first = needed
                 loader = self._loader()
                 if loader is not None:
-                    loader._shm_measured_bytes = data_bytes
+                    loader._shm_first_batch_bytes = first  # later epochs skip the probe
                 probe = (wid, seq)
-        ring = Ring(RingGeometry(self._num_workers, self._num_slots, data_bytes))
+        geometry = plan_ring(self._num_workers, self._prefetch_factor, first, self._slot_bytes, self._memory_budget)
+        self._num_slots = geometry.num_slots
+        ring = Ring(geometry)
         self._ring = ring
         if self._device is not None:
             self._stager = _device.DeviceStager(self._device, self._device_prefetch)
@@ -327,12 +336,14 @@ class RingIterator(_BaseDataLoaderIter):
         # replay buffer) would leave the workers nowhere to write. Copy instead.
         copy = self._leases.holding() + 1 >= self._num_slots
         try:
-            batch, base = read_batch(self._ring, slot, copy_leaf if copy else None)
+            batch, base, nbytes = read_batch(self._ring, slot, copy_leaf if copy else None)
         except BaseException:
             self._free.append(slot)
             raise
+        self._counters.batches += 1
+        self._counters.bytes += nbytes
         if copy:
-            self.copies += 1
+            self._counters.copies += 1
             del base
             self._free.append(slot)
         else:
@@ -364,6 +375,7 @@ class RingIterator(_BaseDataLoaderIter):
             )
 
     def _next_data(self) -> Any:
+        asked = self._counters.requested()
         steps = self._steps()
         try:
             request = next(steps)
@@ -375,7 +387,10 @@ class RingIterator(_BaseDataLoaderIter):
         except BaseException:
             self._shutdown_workers()
             raise
+        finally:
+            self._counters.returned(asked)
         if result is _END:
+            self._counters.epoch_ended()
             raise StopIteration
         return result
 
@@ -396,6 +411,7 @@ class RingIterator(_BaseDataLoaderIter):
         return self
 
     async def __anext__(self) -> Any:
+        asked = self._counters.requested()
         steps = self._steps()
         try:
             request = next(steps)
@@ -411,7 +427,10 @@ class RingIterator(_BaseDataLoaderIter):
         except BaseException:
             self._shutdown_workers()
             raise
+        finally:
+            self._counters.returned(asked)
         if result is _END:
+            self._counters.epoch_ended()
             raise StopAsyncIteration
         self._count_yield()
         return result
@@ -463,6 +482,32 @@ class RingIterator(_BaseDataLoaderIter):
 
     def holding(self) -> int:
         return self._leases.holding()
+
+    def occupancy(self) -> RingOccupancy | None:
+        if self._ring is None:
+            return None
+        held = self._leases.holding()
+        copying = 0 if self._stager is None else len(self._stager.copying)
+        in_flight = len(self._inflight)
+        ready = len(self._ready) + copying
+        return RingOccupancy(
+            slots=self._num_slots,
+            slot_bytes=self._ring.geometry.data_bytes,
+            free=self._num_slots - held - in_flight - ready,
+            in_flight=in_flight,
+            ready=ready,
+            held=held,
+        )
+
+    def worker_busy(self) -> tuple[float, ...]:
+        if self._ring is None:
+            return ()
+        now = time.monotonic_ns()
+        busy = []
+        for c in self._ring.counters:
+            started, spent = int(c[C.STARTED_NS]), int(c[C.BUSY_NS])
+            busy.append(min(1.0, spent / (now - started)) if started and now > started else 0.0)
+        return tuple(busy)
 
     # ----------------------------------------------------------- shutdown
     def _shutdown_workers(self) -> None:

@@ -122,8 +122,9 @@ class DeviceStager:
     def has_room(self) -> bool:
         return len(self.staged) < self.depth
 
-    def stage(self, ring: Ring, slot: int) -> None:
-        """Start the copy of ``slot``'s batch; numpy leaves are copied on the host."""
+    def stage(self, ring: Ring, slot: int) -> int:
+        """Start the copy of ``slot``'s batch (numpy leaves are copied on the host); returns
+        its bytes."""
         moved: list[torch.Tensor] = []
 
         def to_device(leaf: Any, kind: int) -> Any:
@@ -134,11 +135,12 @@ class DeviceStager:
             return out
 
         with torch.cuda.stream(self.stream):
-            batch, _ = read_batch(ring, slot, to_device)
+            batch, _, nbytes = read_batch(ring, slot, to_device)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self.stream)
         self.staged.append((batch, event, moved))
         self.copying.append((event, slot))
+        return nbytes
 
     def pop(self) -> Any:
         """The next staged batch, ordered after its copy on the caller's current stream."""

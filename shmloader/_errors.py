@@ -21,3 +21,7 @@ class CorruptSlotError(ShmLoaderError):
 
 class WorkerDiedError(ShmLoaderError):
     """A worker process exited while the loader still needed it."""
+
+
+class MemoryBudgetError(ShmLoaderError, MemoryError):
+    """``memory_budget`` cannot hold one slot per worker."""

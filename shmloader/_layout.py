@@ -2,7 +2,7 @@
 
 Segment::
 
-    [control page(s)]  per-worker task queues (int64), page aligned
+    [control page(s)]  per-worker task queues, then per-worker counters (int64), page aligned
     [slot 0]           header page | data region
     [slot 1]           ...
 
@@ -51,6 +51,17 @@ class F:
 
 
 N_FIELDS: Final = 16
+
+
+class C:
+    """Per-worker counters in the control area (int64 each), written by the worker only."""
+
+    STARTED_NS = 0  # time.monotonic_ns() when the worker attached to the ring
+    BUSY_NS = 1  # time spent producing batches (fetch + collate + write)
+    BATCHES = 2  # results written (batches, stops and errors)
+
+
+N_COUNTERS: Final = 4
 IDLE: Final = 0
 DONE: Final = 1
 
@@ -135,7 +146,7 @@ class RingGeometry:
 
     @property
     def control_bytes(self) -> int:
-        return round_up(self.num_workers * self.queue_len * 8, PAGE)
+        return round_up(self.num_workers * (self.queue_len + N_COUNTERS) * 8, PAGE)
 
     @property
     def slot_stride(self) -> int:
@@ -153,6 +164,9 @@ class RingGeometry:
 
     def queue_offset(self, worker: int) -> int:
         return worker * self.queue_len * 8
+
+    def counters_offset(self, worker: int) -> int:
+        return (self.num_workers * self.queue_len + worker * N_COUNTERS) * 8
 
 
 def slot_data_bytes(first_batch_bytes: int) -> int:

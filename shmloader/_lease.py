@@ -113,10 +113,10 @@ def copy_leaf(leaf: Any, kind: int) -> Any:
     return leaf.clone() if kind == _TENSOR else leaf.copy()
 
 
-def read_batch(ring: Ring, slot: int, convert: LeafConverter | None = None) -> tuple[Any, np.ndarray[Any, Any]]:
-    """Build the batch held by ``slot``. Returns (batch, base): each leaf is a view of slot
-    memory that keeps ``base`` alive, or ``convert(view, kind)`` of it when given (a copy,
-    a device transfer), which then decides whether the slot is still viewed."""
+def read_batch(ring: Ring, slot: int, convert: LeafConverter | None = None) -> tuple[Any, np.ndarray[Any, Any], int]:
+    """Build the batch held by ``slot``. Returns (batch, base, leaf bytes): each leaf is a
+    view of slot memory that keeps ``base`` alive, or ``convert(view, kind)`` of it when
+    given (a copy, a device transfer), which then decides whether the slot is still viewed."""
     hdr = ring.headers[slot]
     cap = ring.geometry.data_bytes
     data_off = ring.data_offsets[slot]
@@ -128,15 +128,17 @@ def read_batch(ring: Ring, slot: int, convert: LeafConverter | None = None) -> t
         raise CorruptSlotError(f"slot {slot}: {exc}") from None
     base = np.frombuffer(ring.mm, dtype=np.uint8, count=cap, offset=data_off)
     leaves: list[Any] = []
+    total = 0
     for code, kind, off, nbytes, shape in table:
+        total += nbytes
         try:
             leaf = view_leaf(base[off : off + nbytes], code, kind, shape)
         except ValueError as exc:
             raise CorruptSlotError(f"slot {slot}: {exc}") from None
         leaves.append(leaf if convert is None else convert(leaf, kind))
     if meta == LONE_LEAF and len(leaves) == 1:
-        return leaves[0], base
-    return _LeafUnpickler(meta, leaves).load(), base
+        return leaves[0], base, total
+    return _LeafUnpickler(meta, leaves).load(), base, total
 
 
 def slot_of(ring: Ring, obj: Any) -> int | None:

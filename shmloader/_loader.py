@@ -15,7 +15,9 @@ import torch
 import torch.utils.data
 
 from . import _device
+from ._budget import parse_size
 from ._consume import RingIterator
+from ._stats import Counters, LoaderStats
 
 
 class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
@@ -37,6 +39,11 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             stream. ``None`` or ``"cpu"``: CPU batches. Needs ``num_workers > 0``.
         device_prefetch: how many batches may sit on the device ahead of the consumer
             (bounds the GPU memory used beyond the batches you hold). Default 2.
+        memory_budget: bytes (or a string such as ``"512MiB"``, ``"2GiB"``) the ring may
+            use. The ring is sized to fit: fewer slots first (down to one per worker), then
+            no headroom in the slot size; if even one slot per worker cannot hold a batch,
+            the first ``next()`` raises ``MemoryBudgetError``. It bounds the shared memory
+            the loader allocates, not the workers' own Python and dataset memory.
     """
 
     def __init__(
@@ -62,6 +69,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         slot_bytes: int | None = None,
         device: str | torch.device | None = None,
         device_prefetch: int = 2,
+        memory_budget: int | str | None = None,
     ) -> None:
         if not isinstance(device_prefetch, int) or device_prefetch < 1:
             raise ValueError(f"device_prefetch should be a positive int, but got device_prefetch={device_prefetch!r}")
@@ -87,10 +95,13 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             in_order=in_order,
         )
         self.slot_bytes = slot_bytes
+        self.memory_budget = memory_budget
+        self._shm_memory_budget = None if memory_budget is None else parse_size(memory_budget)
+        self._shm_counters = Counters()
         self.device = device
         self.device_prefetch = device_prefetch
         self._shm_device = _device.parse_device(device, self.num_workers)
-        self._shm_measured_bytes: int | None = None
+        self._shm_first_batch_bytes: int | None = None
         self._shm_iterators: weakref.WeakSet[RingIterator] = weakref.WeakSet()
 
     def _get_iterator(self) -> Any:
@@ -114,6 +125,24 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         if isinstance(it, RingIterator):
             return it
         return _InlineAsync(it)
+
+    def stats(self) -> LoaderStats:
+        """A snapshot of what the loader has done since it was created (see LoaderStats)."""
+        c = self._shm_counters
+        it = self._iterator if isinstance(self._iterator, RingIterator) else None
+        if it is None:
+            live = [i for i in list(self._shm_iterators) if not i.shut_down]
+            it = live[-1] if live else None
+        return LoaderStats(
+            batches=c.batches,
+            bytes=c.bytes,
+            wait_s=c.wait_s,
+            compute_s=c.compute_s,
+            copies=c.copies,
+            worker_restarts=c.worker_restarts,
+            worker_busy=() if it is None else it.worker_busy(),
+            ring=None if it is None else it.occupancy(),
+        )
 
     def release(self, batch: Any) -> int:
         """Return the ring slots that ``batch`` views, now, without waiting for its

@@ -15,7 +15,7 @@ import numpy as np
 import posix_ipc
 
 from . import _shm
-from ._layout import N_FIELDS, RingGeometry
+from ._layout import N_COUNTERS, N_FIELDS, RingGeometry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +42,10 @@ class _Views:
         ]
         self.queues = [
             np.ndarray((geometry.queue_len,), np.int64, buffer=mm, offset=geometry.queue_offset(w))
+            for w in range(geometry.num_workers)
+        ]
+        self.counters = [
+            np.ndarray((N_COUNTERS,), np.int64, buffer=mm, offset=geometry.counters_offset(w))
             for w in range(geometry.num_workers)
         ]
 

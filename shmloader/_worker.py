@@ -21,6 +21,7 @@ import select
 import signal
 import struct
 import sys
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -30,7 +31,7 @@ from torch.utils.data._utils import collate as torch_collate
 from torch.utils.data._utils import worker as torch_worker
 
 from ._collate import SlotWriter, slot_collate_map
-from ._layout import DONE, F, Status
+from ._layout import DONE, C, F, Status
 from ._ring import AttachedRing, RingSpec
 
 _ONE = struct.pack("=Q", 1)
@@ -260,6 +261,8 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
     writer = SlotWriter(ring.mm)
     fn_map = slot_collate_map(writer)
     geometry = ring.geometry
+    counters = ring.counters[cfg.worker_id]
+    counters[C.STARTED_NS] = time.monotonic_ns()
     conn.send(("attached",))
     if pending is not None and pending_slot >= 0:
         epoch, seq, outcome, batch = pending
@@ -282,9 +285,12 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
         epoch, seq, task_len = int(hdr[F.EPOCH]), int(hdr[F.SEQ]), int(hdr[F.TASK_LEN])
         start = geometry.data_offset(slot)
         index = pickle.loads(ring.mm[start : start + task_len])
+        began = time.monotonic_ns()
         writer.begin(start, geometry.data_bytes)
         if init_error is not None:
             outcome, init_error = Outcome(Status.ERROR, error=init_error), None
         else:
             outcome, _ = producer.produce(epoch, index, writer, fn_map)
+        counters[C.BUSY_NS] += time.monotonic_ns() - began
+        counters[C.BATCHES] += 1
         _publish(ring, slot, cfg, writer, outcome, epoch, seq, doorbell)

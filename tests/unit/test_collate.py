@@ -33,7 +33,7 @@ def round_trip(batch_or_samples: Any, fused: bool, copy: bool = False) -> tuple[
     hdr = views.headers[1]
     hdr[F.TABLE_OFF], hdr[F.TABLE_LEN] = writer.table_off, writer.table_len
     hdr[F.META_OFF], hdr[F.META_LEN] = writer.meta_off, writer.meta_len
-    out, _ = read_batch(views, 1, copy_leaf if copy else None)  # type: ignore[arg-type]
+    out, _, _ = read_batch(views, 1, copy_leaf if copy else None)  # type: ignore[arg-type]
     return out, writer
 
 

@@ -1,0 +1,71 @@
+"""Sizing the ring: slot count and slot size from the first batch, ``slot_bytes=`` and
+``memory_budget=``. Pure arithmetic; nothing here allocates."""
+
+from __future__ import annotations
+
+import re
+
+from ._errors import MemoryBudgetError
+from ._layout import PAGE, RingGeometry, round_up, slot_data_bytes
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | str, name: str = "memory_budget") -> int:
+    """Bytes from an int or a string such as "512MiB", "2GiB", "1.5GB", "4096"."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"{name} should be an int of bytes or a string like '512MiB', but got {value!r}")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = _SIZE.match(value)
+        unit = m.group(2).lower() if m else ""
+        if m is None or unit not in _UNITS:
+            raise ValueError(
+                f"{name}={value!r} is not a size; use bytes or a number with a unit "
+                "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '512MiB'"
+            )
+        n = int(float(m.group(1)) * _UNITS[unit])
+    if n <= 0:
+        raise ValueError(f"{name} should be positive, but got {value!r}")
+    return n
+
+
+def plan_ring(
+    num_workers: int,
+    prefetch_factor: int,
+    first_batch_bytes: int | None,
+    slot_bytes: int | None,
+    memory_budget: int | None,
+) -> RingGeometry:
+    """The ring for these settings.
+
+    Without a budget: ``num_workers * prefetch_factor`` slots of ``slot_bytes`` (rounded up
+    to a page) or of the first batch plus headroom. With a budget the whole segment stays
+    within it: fewer slots first (down to one per worker), then, when the slot size was
+    measured, no headroom beyond a page; if even that does not fit, MemoryBudgetError.
+    """
+    assert slot_bytes is not None or first_batch_bytes is not None
+    sizes = [round_up(slot_bytes, PAGE)] if slot_bytes is not None else [
+        slot_data_bytes(first_batch_bytes or 0),
+        round_up(first_batch_bytes or 0, PAGE),
+    ]
+    wanted = num_workers * prefetch_factor
+    if memory_budget is None:
+        return RingGeometry(num_workers, wanted, sizes[0])
+    for data_bytes in sizes:
+        for slots in range(wanted, num_workers - 1, -1):
+            g = RingGeometry(num_workers, slots, data_bytes)
+            if g.total_bytes <= memory_budget:
+                return g
+    smallest = RingGeometry(num_workers, num_workers, sizes[-1]).total_bytes
+    what = f"a slot of {sizes[-1]:,} bytes" + (
+        f" (batches measure {first_batch_bytes:,} bytes)" if slot_bytes is None else " (slot_bytes)"
+    )
+    raise MemoryBudgetError(
+        f"memory_budget={memory_budget:,} bytes cannot hold one slot per worker: {num_workers} "
+        f"worker(s) with {what} need a ring of at least {smallest:,} bytes. Raise memory_budget, "
+        "lower num_workers, or use smaller batches."
+    )

@@ -1,0 +1,88 @@
+"""Telemetry: what the loader did, and whether the training loop waits for it.
+
+``Counters`` is the loader's running tally (updated on every batch, cheaply);
+``LoaderStats`` is the frozen snapshot ``DataLoader.stats()`` returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+
+class Counters:
+    """Mutable tallies kept across the loader's iterators (epochs)."""
+
+    __slots__ = ("batches", "bytes", "wait_s", "compute_s", "copies", "worker_restarts", "_last_return")
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.bytes = 0
+        self.wait_s = 0.0
+        self.compute_s = 0.0
+        self.copies = 0
+        self.worker_restarts = 0
+        self._last_return: float | None = None
+
+    def requested(self) -> float:
+        """The consumer asks for a batch: the time since the last one was its own work."""
+        now = time.perf_counter()
+        if self._last_return is not None:
+            self.compute_s += now - self._last_return
+        return now
+
+    def returned(self, asked: float) -> None:
+        """A batch (or the end of the epoch) was handed back after waiting since ``asked``."""
+        now = time.perf_counter()
+        self.wait_s += now - asked
+        self._last_return = now
+
+    def epoch_ended(self) -> None:
+        self._last_return = None  # time between epochs is not the loop's compute
+
+
+@dataclasses.dataclass(frozen=True)
+class RingOccupancy:
+    """Where the ring's slots are right now."""
+
+    slots: int
+    """Slots in the ring (``num_workers * prefetch_factor`` unless ``memory_budget`` lowered it)."""
+    slot_bytes: int
+    """Bytes of one slot's data region."""
+    free: int
+    """Slots waiting for a task."""
+    in_flight: int
+    """Slots a worker is filling (or has filled, not yet collected)."""
+    ready: int
+    """Slots holding a finished batch the consumer has not taken yet (or copying to the device)."""
+    held: int
+    """Slots whose batch the consumer still holds (views not yet dropped)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderStats:
+    """A snapshot of ``DataLoader.stats()``. Times are seconds of wall-clock time."""
+
+    batches: int
+    """Batches delivered to the consumer since the loader was created."""
+    bytes: int
+    """Bytes of tensor and array data in those batches."""
+    wait_s: float
+    """Time the consumer spent inside ``next()`` / ``__anext__`` waiting for batches."""
+    compute_s: float
+    """Time between receiving a batch and asking for the next: the consumer's own work."""
+    copies: int
+    """Batches delivered as copies because the consumer held all other slots."""
+    worker_restarts: int
+    """Workers replaced after dying."""
+    worker_busy: tuple[float, ...]
+    """Per worker, the fraction of time since it started that it spent producing batches."""
+    ring: RingOccupancy | None
+    """Slot occupancy of the current ring, or None before the first batch / without workers."""
+
+    @property
+    def loader_bound(self) -> float:
+        """Share of the loop's time spent waiting for data: near 0 means the loader keeps up;
+        near 1 means the loop is starved and more workers (or cheaper samples) would help."""
+        total = self.wait_s + self.compute_s
+        return self.wait_s / total if total > 0 else 0.0

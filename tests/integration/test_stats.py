@@ -1,0 +1,65 @@
+"""loader.stats(): counts, bytes, wait vs compute, ring occupancy, worker busy; memory_budget
+end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shmloader
+from tests.conftest import same
+from tests.datasets import Range, Sized
+
+
+def test_stats_count_batches_bytes_and_time() -> None:
+    loader = shmloader.DataLoader(Range(40), batch_size=4, num_workers=2, persistent_workers=True)
+    assert loader.stats().batches == 0 and loader.stats().ring is None
+    for _ in range(2):
+        for batch in loader:
+            pass
+    s = loader.stats()
+    assert s.batches == 20
+    assert s.bytes == 40 * 8 * 2
+    assert s.wait_s > 0 and s.compute_s >= 0
+    assert 0 < s.loader_bound <= 1
+    assert s.copies == 0 and s.worker_restarts == 0
+    assert len(s.worker_busy) == 2 and all(0 <= b <= 1 for b in s.worker_busy)
+    assert sum(s.worker_busy) > 0
+    assert s.ring is not None and s.ring.slots == 4
+    assert s.ring.free + s.ring.in_flight + s.ring.ready + s.ring.held == 4
+    del batch
+    loader._iterator._shutdown_workers()
+
+
+def test_stats_see_held_batches() -> None:
+    loader = shmloader.DataLoader(Range(40), batch_size=4, num_workers=2, prefetch_factor=3)
+    it = iter(loader)
+    kept = [next(it), next(it)]
+    ring = loader.stats().ring
+    assert ring is not None and ring.held == 2 and ring.slots == 6
+    del kept, it
+
+
+def test_memory_budget_shrinks_the_ring_and_batches_stay_right() -> None:
+    sizes = [100_000] * 16  # 400 KB float32 samples; batch of 2 = 800 KB
+    budget = "2.5MiB"
+    loader = shmloader.DataLoader(Sized(sizes), batch_size=2, num_workers=2, prefetch_factor=4,
+                                  memory_budget=budget)
+    it = iter(loader)
+    got = [next(it)]
+    ring = it._ring
+    assert ring is not None and ring.geometry.total_bytes <= int(2.5 * 2**20)
+    assert 2 <= ring.geometry.num_slots < 8
+    got += list(it)
+    same(got, list(torch.utils.data.DataLoader(Sized(sizes), batch_size=2)))
+
+
+def test_memory_budget_too_small_is_a_clear_error() -> None:
+    loader = shmloader.DataLoader(Sized([100_000] * 8), batch_size=2, num_workers=2, memory_budget="1MiB")
+    with pytest.raises(shmloader.MemoryBudgetError, match="cannot hold one slot per worker"):
+        list(loader)
+
+
+def test_memory_budget_argument_is_validated() -> None:
+    with pytest.raises(ValueError, match="is not a size"):
+        shmloader.DataLoader(Range(4), num_workers=1, memory_budget="lots")
