@@ -1,5 +1,5 @@
 # make test   build the virtual environment (if needed) and run mypy + the default tests
-# make bench  the side-by-side transport benchmark against torch's DataLoader
+# make bench  `shmloader bench --quick`: shmloader vs torch (and SPDL, torchdata) side by side
 # make soak   the long soak tests (marked 'soak', outside the default run)
 PYTHON ?= python3
 VENV ?= .venv
@@ -25,7 +25,8 @@ soak: $(VENV)/.installed
 	$(PY) -m pytest -m soak
 
 bench: $(VENV)/.installed
-	$(PY) bench/transport.py
+	$(PY) -m pip install -q --no-build-isolation -e ".[bench]"
+	$(PY) -m shmloader bench --quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info shmloader/*.so

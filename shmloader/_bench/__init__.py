@@ -1,0 +1,192 @@
+"""``shmloader bench``: shmloader against torch's DataLoader (and SPDL, torchdata when
+installed), side by side in one run, on transport-bound and real workloads.
+
+    shmloader bench --quick                       # what `make bench` runs (< 3 min on 2 cores)
+    shmloader bench --workloads tiny,jpeg --loaders torch,shmloader --json out.json --plot out.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import platform
+import sys
+import time
+from typing import Any
+
+from .loaders import LOADERS
+from .measure import Result, measure
+from .workloads import WORKLOADS
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shmloader bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
+    p.add_argument("--loaders", default=",".join(LOADERS), help=f"comma-separated, of {', '.join(LOADERS)}")
+    p.add_argument("--num-workers", type=int, default=2)
+    p.add_argument("--prefetch-factor", type=int, default=2)
+    p.add_argument("--batches", type=int, default=None, help="measured batches per repeat (default: per workload)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="small settings: what `make bench` runs")
+    p.add_argument("--memory-budget", default=None, help="pass memory_budget= to shmloader and check its memory")
+    p.add_argument("--step-ms", type=float, default=0.0, help="simulated training step per batch (CPU spin)")
+    p.add_argument("--report", action="store_true", help="print shmloader's loader-bound share and advice")
+    p.add_argument("--data", type=pathlib.Path, default=None, help="folder with your JPEGs and/or a uint16 token file")
+    p.add_argument("--cache", type=pathlib.Path, default=pathlib.Path.home() / ".cache" / "shmloader-bench")
+    p.add_argument("--json", type=pathlib.Path, default=None, help="write results as JSON")
+    p.add_argument("--plot", type=pathlib.Path, default=None, help="draw throughput and memory (needs matplotlib)")
+    return p
+
+
+def _progress(total: int) -> Any:
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, unit="run", file=sys.stderr)
+    except ImportError:
+        return None
+
+
+def run(args: argparse.Namespace) -> tuple[list[Result], list[str]]:
+    workloads = [WORKLOADS[w] for w in _names(args.workloads, WORKLOADS, "workload")]
+    wanted = [LOADERS[n] for n in _names(args.loaders, LOADERS, "loader")]
+    notes = []
+    loaders = []
+    for ld in wanted:
+        if ld.available():
+            loaders.append(ld)
+        else:
+            notes.append(f"{ld.name}: skipped, not installed (pip install {ld.pip}, or pip install 'shmloader[bench]')")
+    repeats = 2 if args.quick and args.repeats == 3 else args.repeats
+    bar = _progress(len(workloads) * len(loaders))
+    results: list[Result] = []
+    for w in workloads:
+        batches = args.batches or (w.quick_batches if args.quick else w.batches)
+        n = (batches * repeats + 8) * w.batch_size
+        dataset = w.make(args.cache, args.quick, args.data, n)
+        for ld in loaders:
+            if bar is not None:
+                bar.set_description(f"{w.name} / {ld.name}")
+            budget = args.memory_budget if ld.name == "shmloader" else None
+
+            def make(ld: Any = ld, budget: Any = budget) -> Any:
+                return ld.make(dataset, w.batch_size, args.num_workers, args.prefetch_factor, budget)
+
+            try:
+                r = measure(w.name, ld.name, make, batches, repeats, args.step_ms / 1e3)
+            except Exception as exc:  # a peer that cannot run this workload is reported, not fatal
+                notes.append(f"{w.name} / {ld.name}: failed: {type(exc).__name__}: {exc}")
+                if bar is not None:
+                    bar.update()
+                continue
+            if budget is not None:
+                from .._budget import parse_size
+
+                r.within_budget = r.loader_mb * 2**20 <= parse_size(budget)
+            results.append(r)
+            if bar is not None:
+                bar.update()
+    if bar is not None:
+        bar.close()
+    for r in results:
+        base = next((t for t in results if t.workload == r.workload and t.loader == "torch"), None)
+        r.ratio_to_torch = None if base is None else r.batches_per_s / base.batches_per_s
+    return results, notes
+
+
+def _names(text: str, known: dict[str, Any], what: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [x for x in names if x not in known]
+    if unknown:
+        raise SystemExit(f"unknown {what}(s): {', '.join(unknown)}; choose from {', '.join(known)}")
+    return names
+
+
+def table(results: list[Result]) -> str:
+    head = ("| workload | loader | batches/s (median, min-max) | GB/s | vs torch | first batch s "
+            "| CPU ms/batch | peak MB | loader MB |")
+    rows = [head, "|" + "---|" * 9]
+    for r in results:
+        ratio = "" if r.ratio_to_torch is None else f"{r.ratio_to_torch:.2f}x"
+        budget = "" if r.within_budget is None else (" (within budget)" if r.within_budget else " (OVER budget)")
+        rows.append(
+            f"| {r.workload} | {r.loader} | {r.batches_per_s:,.1f} ({r.batches_per_s_min:,.1f}-{r.batches_per_s_max:,.1f}) "
+            f"| {r.gb_per_s:.2f} | {ratio} | {r.first_batch_s:.2f} | {r.cpu_ms_per_batch:.2f} "
+            f"| {r.peak_mb:,.0f} | {r.loader_mb:,.0f}{budget} |"
+        )
+    return "\n".join(rows)
+
+
+def report(results: list[Result]) -> str:
+    lines = []
+    for r in results:
+        if r.loader_bound is None:
+            continue
+        verdict = ("the loop waits for data: more workers or cheaper samples would help"
+                   if r.loader_bound > 0.1 else "the loader keeps up: more workers would not help")
+        lines.append(f"{r.workload}: loader-bound {r.loader_bound:.0%} of the loop's time; {verdict}")
+    return "\n".join(lines)
+
+
+def metadata(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
+        "python": platform.python_version(),
+        "versions": {ld.name: ld.version() for ld in LOADERS.values() if ld.available()},
+        "command": " ".join(["shmloader", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
+        "num_workers": args.num_workers,
+        "prefetch_factor": args.prefetch_factor,
+    }
+
+
+def plot(results: list[Result], path: pathlib.Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib (or 'shmloader[bench]')") from None
+    workloads = list(dict.fromkeys(r.workload for r in results))
+    loaders = list(dict.fromkeys(r.loader for r in results))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(1, len(loaders))
+    for k, name in enumerate(loaders):
+        xs = [i + k * width for i, w in enumerate(workloads)]
+        get = {r.workload: r for r in results if r.loader == name}
+        ax1.bar(xs, [get[w].batches_per_s if w in get else 0 for w in workloads], width, label=name)
+        ax2.bar(xs, [get[w].peak_mb if w in get else 0 for w in workloads], width, label=name)
+    for ax, title in ((ax1, "batches/s (log)"), (ax2, "peak memory, MB (PSS, all processes)")):
+        ax.set_xticks([i + width * (len(loaders) - 1) / 2 for i in range(len(workloads))], workloads)
+        ax.set_title(title)
+    ax1.set_yscale("log")
+    ax1.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    meta = metadata(args)
+    results, notes = run(args)
+    print(f"# {meta['date']} | {meta['machine']} | Python {meta['python']} | "
+          + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()))
+    print(f"# num_workers={args.num_workers} prefetch_factor={args.prefetch_factor}"
+          + (f" memory_budget={args.memory_budget}" if args.memory_budget else "")
+          + (f" step={args.step_ms} ms" if args.step_ms else ""))
+    print(table(results))
+    for note in notes:
+        print(f"- {note}")
+    if args.report:
+        print(report(results))
+    if args.json is not None:
+        args.json.write_text(json.dumps({"meta": meta, "notes": notes,
+                                         "results": [dataclasses.asdict(r) for r in results]}, indent=2))
+    if args.plot is not None:
+        plot(results, args.plot)
+    return 0

@@ -1,0 +1,66 @@
+"""The loaders compared side by side. A peer that is not installed is reported, never dropped."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+from typing import Any, Callable
+
+import torch
+from torch.utils.data import Dataset
+
+import shmloader
+
+
+@dataclasses.dataclass(frozen=True)
+class Loader:
+    name: str
+    module: str  # import name checked for availability
+    pip: str  # what to install when it is missing
+    make: Callable[..., Any]
+
+    def available(self) -> bool:
+        try:
+            __import__(self.module)
+        except ImportError:
+            return False
+        return True
+
+    def version(self) -> str:
+        dist = {"shmloader": "shmloader", "torch": "torch", "spdl.dataloader": "spdl",
+                "torchdata.stateful_dataloader": "torchdata"}[self.module]
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "?"
+
+
+def _shmloader(ds: Dataset, bs: int, nw: int, pf: int, budget: str | None) -> Any:  # type: ignore[type-arg]
+    return shmloader.DataLoader(ds, batch_size=bs, num_workers=nw, prefetch_factor=pf, memory_budget=budget)
+
+
+def _torch(ds: Dataset, bs: int, nw: int, pf: int, budget: str | None) -> Any:  # type: ignore[type-arg]
+    return torch.utils.data.DataLoader(ds, batch_size=bs, num_workers=nw, prefetch_factor=pf)
+
+
+def _spdl(ds: Dataset, bs: int, nw: int, pf: int, budget: str | None) -> Any:  # type: ignore[type-arg]
+    from spdl.dataloader import get_pytorch_dataloader
+
+    return get_pytorch_dataloader(ds, batch_size=bs, num_workers=nw, prefetch_factor=pf, in_order=True)
+
+
+def _torchdata(ds: Dataset, bs: int, nw: int, pf: int, budget: str | None) -> Any:  # type: ignore[type-arg]
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    return StatefulDataLoader(ds, batch_size=bs, num_workers=nw, prefetch_factor=pf)
+
+
+LOADERS: dict[str, Loader] = {
+    x.name: x
+    for x in [
+        Loader("torch", "torch", "torch", _torch),
+        Loader("shmloader", "shmloader", "shmloader", _shmloader),
+        Loader("spdl", "spdl.dataloader", "spdl", _spdl),
+        Loader("torchdata", "torchdata.stateful_dataloader", "torchdata", _torchdata),
+    ]
+}

@@ -1,0 +1,183 @@
+"""Measuring one loader on one workload: rate, first batch, CPU per batch, peak memory.
+
+CPU and memory are summed over this process and all its descendants (the loader's
+workers, whatever started them), read from /proc. Memory is PSS (proportional set size):
+shared pages, shared memory segments included, are divided among the processes mapping
+them, so the sum counts each page once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _tree(root: int) -> list[int]:
+    """``root`` and its live descendants."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / _TICK
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+def pss_bytes(pids: list[int]) -> int:
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+        except OSError:
+            pass
+    return total
+
+
+class PeakMemory:
+    """Samples the PSS of the process tree every ``interval`` seconds in a thread."""
+
+    def __init__(self, interval: float = 0.05) -> None:
+        self.peak = pss_bytes(_tree(os.getpid()))
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.peak = max(self.peak, pss_bytes(_tree(os.getpid())))
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, pss_bytes(_tree(os.getpid())))
+        return self.peak
+
+
+def batch_bytes(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.numel() * batch.element_size()
+    if isinstance(batch, dict):
+        return sum(batch_bytes(v) for v in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return sum(batch_bytes(v) for v in batch)
+    return 0
+
+
+@dataclasses.dataclass
+class Result:
+    workload: str
+    loader: str
+    batches_per_s: float  # median of repeats
+    batches_per_s_min: float
+    batches_per_s_max: float
+    gb_per_s: float
+    first_batch_s: float
+    cpu_ms_per_batch: float
+    peak_mb: float  # peak PSS of the process tree while the loader ran
+    loader_mb: float  # that peak minus this process's PSS before the loader existed
+    batch_bytes: int
+    ratio_to_torch: float | None = None
+    ring_mb: float | None = None  # shmloader: the ring's size
+    loader_bound: float | None = None  # shmloader: stats().loader_bound
+    within_budget: bool | None = None
+    skipped: str | None = None
+
+
+def measure(
+    workload: str,
+    loader_name: str,
+    make: Callable[[], Any],
+    batches: int,
+    repeats: int,
+    step_s: float = 0.0,
+) -> Result:
+    """Time ``repeats`` runs of ``batches`` batches of one loader (one epoch holds them all)."""
+    baseline = pss_bytes([os.getpid()])
+    memory = PeakMemory()
+    start = time.perf_counter()
+    loader = make()
+    it = iter(loader)
+    first = next(it)
+    first_s = time.perf_counter() - start
+    nbytes = batch_bytes(first)
+    del first
+    pids = _tree(os.getpid())
+    cpu0 = cpu_seconds(pids)
+    rates = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(batches):
+            batch = next(it)
+            if step_s:
+                _spin(step_s)
+            del batch
+        rates.append(batches / (time.perf_counter() - t))
+    cpu = (cpu_seconds(pids) - cpu0) / (batches * repeats)
+    stats = loader.stats() if hasattr(loader, "stats") else None
+    ring = getattr(it, "_ring", None)
+    del it
+    peak = memory.stop()
+    _close(loader)
+    med = statistics.median(rates)
+    return Result(
+        workload=workload,
+        loader=loader_name,
+        batches_per_s=med,
+        batches_per_s_min=min(rates),
+        batches_per_s_max=max(rates),
+        gb_per_s=med * nbytes / 1e9,
+        first_batch_s=first_s,
+        cpu_ms_per_batch=cpu * 1e3,
+        peak_mb=peak / 2**20,
+        loader_mb=(peak - baseline) / 2**20,
+        batch_bytes=nbytes,
+        ring_mb=None if ring is None else ring.geometry.total_bytes / 2**20,
+        loader_bound=None if stats is None else stats.loader_bound,
+    )
+
+
+def _spin(seconds: float) -> None:
+    """A stand-in for a training step that keeps the CPU busy, as real compute would."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _close(loader: Any) -> None:
+    it = getattr(loader, "_iterator", None)
+    if it is not None and hasattr(it, "_shutdown_workers"):
+        it._shutdown_workers()

@@ -1,0 +1,150 @@
+"""The benchmark's workloads: transport-bound (tiny, tokens, image) and real (jpeg, memmap).
+
+Datasets are module-level classes so that every loader's workers can import them. Every
+random choice is seeded by the sample index, so runs are comparable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+
+class Ready(Dataset):  # type: ignore[type-arg]
+    """``__getitem__`` returns one preallocated tensor: only transport is measured."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, n: int) -> None:
+        self.item = torch.ones(shape, dtype=dtype)
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.item
+
+
+class Jpegs(Dataset):  # type: ignore[type-arg]
+    """Decode a JPEG, crop 224x224 at a random place, flip half of them: uint8 CHW."""
+
+    def __init__(self, files: list[str], n: int) -> None:
+        self.files, self.n = files, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        from PIL import Image
+
+        rng = np.random.default_rng(i)
+        with Image.open(self.files[i % len(self.files)]) as f:
+            rgb = f.convert("RGB")
+        w, h = rgb.size
+        x, y = int(rng.integers(0, w - 223)), int(rng.integers(0, h - 223))
+        crop = rgb.crop((x, y, x + 224, y + 224))
+        if rng.random() < 0.5:
+            crop = crop.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        return torch.from_numpy(np.array(crop)).permute(2, 0, 1)
+
+
+class TokenWindows(Dataset):  # type: ignore[type-arg]
+    """Random windows of 1,025 tokens of a uint16 file: (input, target) as in GPT training."""
+
+    def __init__(self, path: str, n: int, window: int = 1025) -> None:
+        self.path, self.n, self.window = path, n, window
+        self._tokens: np.memmap[Any, Any] | None = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_tokens": None}
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._tokens is None:
+            self._tokens = np.memmap(self.path, dtype=np.uint16, mode="r")
+        start = int(np.random.default_rng(i).integers(0, len(self._tokens) - self.window))
+        chunk = torch.from_numpy(self._tokens[start : start + self.window].astype(np.int64))
+        return chunk[:-1], chunk[1:]
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    name: str
+    batch_size: int
+    batches: int  # measured batches per repeat (full run)
+    quick_batches: int
+    make: Callable[[pathlib.Path, bool, pathlib.Path | None, int], Dataset]  # type: ignore[type-arg]
+    what: str
+
+
+def _ready(shape: tuple[int, ...], dtype: torch.dtype) -> Callable[..., Dataset]:  # type: ignore[type-arg]
+    return lambda cache, quick, data, n: Ready(shape, dtype, n)
+
+
+def jpeg_files(cache: pathlib.Path, count: int, data: pathlib.Path | None = None) -> list[str]:
+    """``data``'s JPEGs, or ``count`` files of 256-512 px written once into ``cache``."""
+    if data is not None:
+        found = sorted(str(p) for p in data.rglob("*") if p.suffix.lower() in (".jpg", ".jpeg"))
+        if found:
+            return found
+    from PIL import Image
+
+    folder = cache / f"jpeg-{count}"
+    done = folder / ".complete"
+    if not done.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            rng = np.random.default_rng(1_000_000 + i)
+            w, h = (int(v) for v in rng.integers(256, 513, 2))
+            coarse = rng.integers(0, 256, (h // 16 + 1, w // 16 + 1, 3), dtype=np.uint8)
+            img = Image.fromarray(coarse).resize((w, h), Image.Resampling.BILINEAR)
+            noisy = np.asarray(img).astype(np.int16) + rng.integers(-12, 13, (h, w, 3))
+            Image.fromarray(noisy.clip(0, 255).astype(np.uint8)).save(folder / f"img_{i:05d}.jpg", quality=90)
+        done.touch()
+    return sorted(str(p) for p in folder.glob("img_*.jpg"))
+
+
+def token_file(cache: pathlib.Path, megabytes: int, data: pathlib.Path | None = None) -> str:
+    """``data``'s token file (*.bin, *.u16), or a uint16 file of ``megabytes`` written once."""
+    if data is not None:
+        for pattern in ("*.u16", "*.bin"):
+            found = sorted(data.rglob(pattern))
+            if found:
+                return str(found[0])
+    path = cache / f"tokens-{megabytes}MB.u16"
+    if not path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        rng = np.random.default_rng(7)
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            for _ in range(megabytes):
+                f.write(rng.integers(0, 50257, 1 << 19, dtype=np.uint16).tobytes())
+        os.replace(tmp, path)
+    return str(path)
+
+
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in [
+        Workload("tiny", 32, 2000, 300, _ready((16,), torch.float32), "32 x float32[16], ready tensors"),
+        Workload("tokens", 64, 2000, 300, _ready((512,), torch.int64), "64 x int64[512], ready tensors"),
+        Workload("image", 128, 200, 30, _ready((3, 224, 224), torch.uint8), "128 x uint8[3,224,224], ready tensors"),
+        Workload(
+            "jpeg", 32, 60, 15,
+            lambda cache, quick, data, n: Jpegs(jpeg_files(cache, 200 if quick else 2000, data), n),
+            "32 JPEGs of 256-512 px: decode, random 224 crop, flip",
+        ),
+        Workload(
+            "memmap", 32, 1000, 200,
+            lambda cache, quick, data, n: TokenWindows(token_file(cache, 20 if quick else 200, data), n),
+            "32 random windows of 1,025 uint16 tokens via np.memmap -> (input, target) int64",
+        ),
+    ]
+}

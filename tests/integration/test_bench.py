@@ -1,0 +1,77 @@
+"""`shmloader bench`: runs side by side, reports missing peers, writes JSON and plots."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from shmloader import __main__ as cli
+from shmloader._bench import loaders
+
+
+@pytest.fixture
+def no_spdl(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = loaders.Loader.available
+    monkeypatch.setattr(loaders.Loader, "available", lambda self: self.name != "spdl" and real(self))
+
+
+def test_bench_runs_side_by_side(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], no_spdl: None) -> None:
+    out = tmp_path / "r.json"
+    code = cli.main([
+        "bench", "--quick", "--workloads", "tiny,memmap", "--loaders", "torch,shmloader,spdl",
+        "--batches", "5", "--repeats", "2", "--cache", str(tmp_path), "--json", str(out),
+        "--memory-budget", "256MiB", "--report",
+    ])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "| workload | loader | batches/s" in text
+    assert "spdl: skipped, not installed (pip install spdl" in text
+    assert "loader-bound" in text
+    data = json.loads(out.read_text())
+    rows = {(r["workload"], r["loader"]): r for r in data["results"]}
+    assert set(rows) == {("tiny", "torch"), ("tiny", "shmloader"), ("memmap", "torch"), ("memmap", "shmloader")}
+    assert rows["tiny", "torch"]["ratio_to_torch"] == 1.0
+    for key in [("tiny", "shmloader"), ("memmap", "shmloader")]:
+        r = rows[key]
+        assert r["within_budget"] is True and r["ring_mb"] <= 256
+        assert r["batches_per_s_min"] <= r["batches_per_s"] <= r["batches_per_s_max"]
+        assert r["cpu_ms_per_batch"] >= 0 and r["peak_mb"] > 0 and r["first_batch_s"] > 0
+    assert rows["memmap", "shmloader"]["batch_bytes"] == 2 * 32 * 1024 * 8
+    assert data["meta"]["versions"]["torch"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("PIL") is None, reason="the jpeg workload needs Pillow (bench extra)")
+def test_jpeg_workload_makes_its_files_once(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", "--quick", "--workloads", "jpeg", "--loaders", "shmloader", "--batches", "2",
+            "--repeats", "1", "--cache", str(tmp_path)]
+    assert cli.main(args) == 0
+    files = sorted((tmp_path / "jpeg-200").glob("*.jpg"))
+    assert len(files) == 200
+    stamp = files[0].stat().st_mtime_ns
+    assert cli.main(args) == 0
+    assert files[0].stat().st_mtime_ns == stamp
+    assert "| jpeg | shmloader |" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="--plot needs matplotlib (bench extra)")
+def test_plot(tmp_path: pathlib.Path) -> None:
+    png = tmp_path / "p.png"
+    assert cli.main(["bench", "--workloads", "tiny", "--loaders", "torch,shmloader", "--batches", "3",
+                     "--repeats", "1", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unknown_names_and_usage() -> None:
+    with pytest.raises(SystemExit, match="unknown loader"):
+        cli.main(["bench", "--loaders", "nope"])
+    assert cli.main([]) == 2
+
+
+def test_python_dash_m() -> None:
+    done = subprocess.run([sys.executable, "-m", "shmloader", "bench", "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "--memory-budget" in done.stdout
