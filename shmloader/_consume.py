@@ -31,7 +31,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
 from . import _device
 from ._dispatch import Dispatcher
-from ._errors import BatchTooLargeError, CorruptSlotError
+from ._errors import BatchTooLargeError, CorruptSlotError, WorkerDiedError
 from ._budget import plan_ring
 from ._layout import DONE, C, F, Status
 from ._lease import Leases, copy_leaf, leaves_of, read_batch, read_meta, slot_of
@@ -59,6 +59,7 @@ class RingIterator(_BaseDataLoaderIter):
         self._first_batch_bytes: int | None = loader._shm_first_batch_bytes
         self._memory_budget: int | None = loader._shm_memory_budget
         self._counters: Counters = loader._shm_counters
+        self._max_restarts: int = loader.max_worker_restarts
         self._iterable = self._dataset_kind == _DatasetKind.Iterable
         self._shutdown = True  # until the workers exist
         self._ring: Ring | None = None
@@ -67,7 +68,7 @@ class RingIterator(_BaseDataLoaderIter):
         self._epoch = 0
         self._banked = 0
         self._free: list[int] = []
-        self._inflight: dict[int, tuple[int, int, int]] = {}  # slot -> (worker, epoch, seq)
+        self._inflight: dict[int, tuple[int, int, int, Any]] = {}  # slot -> (worker, epoch, seq, index)
         self._ready: dict[int, int] = {}  # seq -> slot
         self._dispatcher = Dispatcher(self._num_workers, self._iterable)
         self._leases = Leases(self._num_slots)
@@ -77,6 +78,7 @@ class RingIterator(_BaseDataLoaderIter):
         self._stager: _device.DeviceStager | None = None  # made with the ring, after the fork
         self._pending_error: Exception | None = None
         ctx = loader.multiprocessing_context or torch.multiprocessing
+        self._start_method: str = ctx.get_start_method()
         self._doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         configs = [
             WorkerConfig(
@@ -168,15 +170,16 @@ class RingIterator(_BaseDataLoaderIter):
             yield _READY
 
     def _check(self) -> None:
-        """Raise if a worker died or the user's ``timeout`` has passed."""
-        self._pool.check_alive()
+        """Replace dead workers (or raise); raise if the user's ``timeout`` has passed."""
+        for wid in self._pool.dead():
+            self._recover(wid)
         if self._deadline is not None and time.monotonic() >= self._deadline:
             raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
 
     def _start(self) -> Generator[tuple[Any, ...], None, None]:
         """Size the ring (from the first batch unless known), create it, attach every worker."""
         first = self._first_batch_bytes
-        probe: tuple[int, int] | None = None
+        probe: tuple[int, int, Any] | None = None
         while self._slot_bytes is None and first is None:
             task = self._next_task()
             if task is None:
@@ -196,7 +199,7 @@ class RingIterator(_BaseDataLoaderIter):
                 loader = self._loader()
                 if loader is not None:
                     loader._shm_first_batch_bytes = first  # later epochs skip the probe
-                probe = (wid, seq)
+                probe = (wid, seq, index)
         geometry = plan_ring(self._num_workers, self._prefetch_factor, first, self._slot_bytes, self._memory_budget)
         self._num_slots = geometry.num_slots
         ring = Ring(geometry)
@@ -212,7 +215,7 @@ class RingIterator(_BaseDataLoaderIter):
             pending = -1
             if probe is not None and probe[0] == wid:
                 pending = self._free.pop()
-                self._track(pending, wid, probe[1])
+                self._track(pending, wid, probe[1], probe[2])
             self._pool.send(wid, ("ring", ring.spec, pending))
         for wid in range(self._num_workers):
             yield from self._wait_conns([wid])
@@ -220,6 +223,50 @@ class RingIterator(_BaseDataLoaderIter):
             assert reply == ("attached",), reply
         ring.unlink()
         self._started = True
+
+    def _recover(self, wid: int) -> None:
+        """Replace dead worker ``wid`` and dispatch its tasks again, or raise WorkerDiedError.
+
+        Its slots may be half written: each is reset and its task (same epoch, seq and
+        index) goes to the least-loaded live worker, so the epoch still yields every batch
+        exactly once and in order. A token it posted for a slot that is now re-dispatched
+        stays banked: a token means "look for DONE slots", never "this slot is done".
+        """
+        tasks = sorted((seq, slot, epoch, index) for slot, (w, epoch, seq, index) in self._inflight.items() if w == wid)
+        current = [t for t in tasks if t[2] == self._epoch]
+        doing = f" while producing batch {current[0][0]} (index {current[0][3]!r:.200})" if current else ""
+        used = self._counters.worker_restarts
+        reason = None
+        if not self._started:
+            reason = "it died while the ring was being set up"
+        elif self._iterable:
+            reason = "an IterableDataset worker cannot be replaced without repeating or losing its shard"
+        elif self._start_method != "fork":
+            reason = f"replacing workers needs the fork start method; this loader uses {self._start_method!r}"
+        elif used >= self._max_restarts:
+            reason = f"{used} of max_worker_restarts={self._max_restarts} restarts are used up"
+        if reason is not None:
+            raise WorkerDiedError(
+                f"{self._pool.death(wid)}{doing}; {reason}. If it ran out of memory, lower batch_size, "
+                "num_workers or prefetch_factor; to tolerate more deaths raise max_worker_restarts."
+            )
+        assert self._ring is not None
+        self._counters.worker_restarts += 1
+        for _, slot, epoch, _ in tasks:
+            del self._inflight[slot]
+            self._dispatcher.load[wid] -= 1
+            if epoch == self._epoch:
+                self._outstanding -= 1
+        self._ring.renew_queue(wid)
+        self._pool.replace(wid, self._ring, self._doorbell)
+        for seq, slot, epoch, index in tasks:
+            if epoch != self._epoch:
+                self._free.append(slot)
+                continue
+            target = self._dispatcher.pick()
+            assert target is not None
+            self._track(slot, target, seq, index)
+            self._dispatcher.submit(self._ring, slot, target, self._epoch, seq, index)
 
     def _wait_conns(self, wids: list[int]) -> Generator[tuple[Any, ...], None, None]:
         while not all(self._pool.conns[w].poll() for w in wids):
@@ -234,7 +281,7 @@ class RingIterator(_BaseDataLoaderIter):
                 return
             wid, seq, index = task
             slot = self._free.pop()
-            self._track(slot, wid, seq)
+            self._track(slot, wid, seq, index)
             self._dispatcher.submit(self._ring, slot, wid, self._epoch, seq, index)
 
     def _next_task(self) -> tuple[int, int, Any] | None:
@@ -252,8 +299,8 @@ class RingIterator(_BaseDataLoaderIter):
         self._send_seq += 1
         return wid, seq, index
 
-    def _track(self, slot: int, wid: int, seq: int) -> None:
-        self._inflight[slot] = (wid, self._epoch, seq)
+    def _track(self, slot: int, wid: int, seq: int, index: Any) -> None:
+        self._inflight[slot] = (wid, self._epoch, seq, index)
         self._outstanding += 1
         self._dispatcher.load[wid] += 1
 
@@ -275,7 +322,7 @@ class RingIterator(_BaseDataLoaderIter):
         for slot in list(self._inflight):
             if headers[slot][F.STATE] != DONE:
                 continue
-            wid, epoch, seq = self._inflight.pop(slot)
+            wid, epoch, seq, _ = self._inflight.pop(slot)
             self._dispatcher.load[wid] -= 1
             if epoch != self._epoch:
                 self._free.append(slot)

@@ -44,6 +44,11 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             no headroom in the slot size; if even one slot per worker cannot hold a batch,
             the first ``next()`` raises ``MemoryBudgetError``. It bounds the shared memory
             the loader allocates, not the workers' own Python and dataset memory.
+        max_worker_restarts: how many dead workers (SIGKILL, OOM killer, a crash in C) the
+            loader replaces over its lifetime, dispatching their tasks again so every batch
+            still arrives exactly once and in order; one more death raises
+            ``WorkerDiedError``. Default 3. Needs the fork start method and a map-style
+            dataset (an IterableDataset worker's shard position dies with it).
     """
 
     def __init__(
@@ -70,7 +75,10 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         device: str | torch.device | None = None,
         device_prefetch: int = 2,
         memory_budget: int | str | None = None,
+        max_worker_restarts: int = 3,
     ) -> None:
+        if not isinstance(max_worker_restarts, int) or max_worker_restarts < 0:
+            raise ValueError(f"max_worker_restarts should be a non-negative int, but got {max_worker_restarts!r}")
         if not isinstance(device_prefetch, int) or device_prefetch < 1:
             raise ValueError(f"device_prefetch should be a positive int, but got device_prefetch={device_prefetch!r}")
         if slot_bytes is not None and (not isinstance(slot_bytes, int) or slot_bytes <= 0):
@@ -96,6 +104,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         )
         self.slot_bytes = slot_bytes
         self.memory_budget = memory_budget
+        self.max_worker_restarts = max_worker_restarts
         self._shm_memory_budget = None if memory_budget is None else parse_size(memory_budget)
         self._shm_counters = Counters()
         self.device = device

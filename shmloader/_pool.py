@@ -8,7 +8,8 @@ import time
 from typing import Any
 
 from ._errors import WorkerDiedError
-from ._worker import InheritedFd, WorkerConfig, worker_main
+from ._ring import AttachedRing
+from ._worker import InheritedFd, WorkerConfig, worker_main, worker_replacement
 
 JOIN_GRACE_S = 0.5  # a worker stuck in user code is terminated after this
 
@@ -17,6 +18,7 @@ class WorkerPool:
     def __init__(self, ctx: Any, configs: list[WorkerConfig], doorbell: int) -> None:
         self.procs: list[Any] = []
         self.conns: list[Any] = []
+        self.configs = configs
         self.stopped = False
         try:
             for cfg in configs:
@@ -37,18 +39,39 @@ class WorkerPool:
     def sentinels(self) -> list[int]:
         return [p.sentinel for p in self.procs]
 
+    def dead(self) -> list[int]:
+        """Workers that exited while they should be running."""
+        if self.stopped:
+            return []
+        return [wid for wid, proc in enumerate(self.procs) if proc.exitcode is not None]
+
+    def death(self, wid: int) -> str:
+        """'DataLoader worker 1 (pid 123) was killed by signal SIGKILL' (or exited with code N)."""
+        proc = self.procs[wid]
+        code = proc.exitcode
+        how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        return f"DataLoader worker {wid} (pid {proc.pid}) {how}"
+
     def check_alive(self) -> None:
         """Raise WorkerDiedError naming the first worker that exited."""
-        if self.stopped:
-            return
-        for wid, proc in enumerate(self.procs):
-            code = proc.exitcode
-            if code is not None:
-                how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-                raise WorkerDiedError(
-                    f"DataLoader worker {wid} (pid {proc.pid}) exited unexpectedly: it {how}. "
-                    "If it ran out of memory, lower batch_size, num_workers or prefetch_factor."
-                )
+        for wid in self.dead():
+            raise WorkerDiedError(
+                f"{self.death(wid)} unexpectedly. If it ran out of memory, lower batch_size, "
+                "num_workers or prefetch_factor."
+            )
+
+    def replace(self, wid: int, ring: Any, doorbell: int) -> None:
+        """Start a new worker ``wid`` that inherits the ring (fork start method only)."""
+        import multiprocessing
+
+        self.procs[wid].join()
+        cfg = self.configs[wid]
+        proc = multiprocessing.get_context("fork").Process(
+            target=worker_replacement, args=(cfg, AttachedRing.inherited(ring, wid), InheritedFd(doorbell)),
+            daemon=True, name=f"shmloader-worker-{wid}",
+        )
+        proc.start()
+        self.procs[wid] = proc
 
     def send(self, wid: int, msg: tuple[Any, ...]) -> None:
         try:

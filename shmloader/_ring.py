@@ -92,6 +92,16 @@ class Ring(_Views):
         self._tails[worker] += 1
         self.tasks[worker].release()
 
+    def renew_queue(self, worker: int) -> None:
+        """A fresh task semaphore and an empty queue for ``worker`` (its process died holding
+        the old ones). The new semaphore is unlinked at once: its replacement inherits it."""
+        old = self.tasks[worker]
+        self.tasks[worker] = _shm.create_semaphore()
+        _shm.unlink_semaphore(self.tasks[worker])
+        old.close()
+        self.queues[worker][:] = 0
+        self._tails[worker] = 0
+
     def close(self) -> None:
         """Unlink the names and close the semaphore handles (the mapping lives on while
         batches still view it)."""
@@ -104,14 +114,27 @@ class Ring(_Views):
 
 
 class AttachedRing(_Views):
-    """A worker's view of the ring, attached by name."""
+    """A worker's view of the ring: attached by name at start-up, or inherited (fork) by a
+    worker that replaces a dead one."""
 
-    def __init__(self, spec: RingSpec, worker_id: int) -> None:
-        super().__init__(spec.geometry, _shm.attach_segment(spec.segment, spec.geometry.total_bytes))
-        self.ready = posix_ipc.Semaphore(spec.ready_sem)
-        self.task = posix_ipc.Semaphore(spec.task_sems[worker_id])
+    def __init__(self, geometry: RingGeometry, mm: mmap.mmap, ready: posix_ipc.Semaphore,
+                 task: posix_ipc.Semaphore, worker_id: int) -> None:
+        super().__init__(geometry, mm)
+        self.ready = ready
+        self.task = task
         self.queue = self.queues[worker_id]
         self._head = 0
+
+    @classmethod
+    def by_name(cls, spec: RingSpec, worker_id: int) -> AttachedRing:
+        mm = _shm.attach_segment(spec.segment, spec.geometry.total_bytes)
+        return cls(spec.geometry, mm, posix_ipc.Semaphore(spec.ready_sem),
+                   posix_ipc.Semaphore(spec.task_sems[worker_id]), worker_id)
+
+    @classmethod
+    def inherited(cls, ring: Ring, worker_id: int) -> AttachedRing:
+        assert ring.ready is not None
+        return cls(ring.geometry, ring.mm, ring.ready, ring.tasks[worker_id], worker_id)
 
     def next_task(self, timeout: float) -> int | None:
         """The next slot queued for this worker, -1 for stop, None on timeout."""

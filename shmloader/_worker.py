@@ -257,22 +257,39 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
         spec: RingSpec = msg[1]
         pending_slot: int = msg[2]
         break
-    ring = AttachedRing(spec, cfg.worker_id)
-    writer = SlotWriter(ring.mm)
-    fn_map = slot_collate_map(writer)
-    geometry = ring.geometry
-    counters = ring.counters[cfg.worker_id]
-    counters[C.STARTED_NS] = time.monotonic_ns()
+    ring = AttachedRing.by_name(spec, cfg.worker_id)
+    ring.counters[cfg.worker_id][C.STARTED_NS] = time.monotonic_ns()
     conn.send(("attached",))
     if pending is not None and pending_slot >= 0:
+        writer = SlotWriter(ring.mm)
         epoch, seq, outcome, batch = pending
-        writer.begin(geometry.data_offset(pending_slot), geometry.data_bytes)
+        writer.begin(ring.geometry.data_offset(pending_slot), ring.geometry.data_bytes)
         if outcome.status is Status.OK or outcome.status is Status.TOO_LARGE:
             needed = writer.finish(batch)
             outcome = Outcome(Status.OK if writer.fits else Status.TOO_LARGE, needed=needed)
         _publish(ring, pending_slot, cfg, writer, outcome, epoch, seq, doorbell)
     del pending
-    # Steady state: shared memory and semaphores only.
+    _serve(cfg, ring, producer, parent, init_error, doorbell)
+
+
+def worker_replacement(cfg: WorkerConfig, ring: AttachedRing, doorbell: InheritedFd) -> None:
+    """Entry point of a worker that replaces a dead one (fork only: it inherits the ring)."""
+    try:
+        parent = ParentWatch(cfg.parent_pid)
+        init_error = _init(cfg)
+        ring.counters[cfg.worker_id][C.STARTED_NS] = time.monotonic_ns()
+        _serve(cfg, ring, _Producer(cfg), parent, init_error, doorbell.fd)
+    except KeyboardInterrupt:
+        pass
+
+
+def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: _Producer, parent: ParentWatch,
+           init_error: ExceptionWrapper | None, doorbell: int) -> None:
+    """Steady state: tasks from the queue, batches into slots; shared memory and semaphores only."""
+    writer = SlotWriter(ring.mm)
+    fn_map = slot_collate_map(writer)
+    geometry = ring.geometry
+    counters = ring.counters[cfg.worker_id]
     while True:
         slot = ring.next_task(cfg.parent_check_s)
         if slot is None:

@@ -158,3 +158,27 @@ class Custom:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Custom) and torch.equal(self.t, other.t)
+
+
+class PidStream(IterableDataset):  # type: ignore[type-arg]
+    """Yields the worker's pid 50 times."""
+
+    def __iter__(self) -> Any:
+        return iter([os.getpid()] * 50)
+
+
+class BrokenStream(IterableDataset):  # type: ignore[type-arg]
+    """Yields 0, 1, 2, then raises ArithmeticError."""
+
+    def __iter__(self) -> Any:
+        for i in range(3):
+            yield i
+        raise ArithmeticError("stream broke after 3 items")
+
+
+class LoudGate(Gated):
+    """Gated, and says so on stdout (with the worker's pid) before it blocks."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        print(f"blocked {os.getpid()}", flush=True)
+        return super().__getitem__(i)

@@ -113,12 +113,34 @@ def test_timeout() -> None:
         list(loader)
 
 
-def test_a_killed_worker_is_reported_not_waited_for() -> None:
+def test_a_killed_worker_is_replaced_and_its_batches_still_arrive_once_in_order() -> None:
     loader = shmloader.DataLoader(Pid(), batch_size=1, num_workers=2)
+    it = iter(loader)
+    first = int(next(it)[0])
+    os.kill(first, signal.SIGKILL)
+    rest = [int(b[0]) for b in it]
+    assert len(rest) == 15  # every batch once, in order: Pid has 16 samples
+    assert first not in rest[3:]  # the killed worker made no batch after its slots were drained
+    assert loader.stats().worker_restarts == 1
+
+
+def test_past_max_worker_restarts_the_error_names_pid_signal_and_task() -> None:
+    loader = shmloader.DataLoader(Pid(), batch_size=1, num_workers=2, max_worker_restarts=0)
     it = iter(loader)
     pid = int(next(it)[0])
     os.kill(pid, signal.SIGKILL)
-    with pytest.raises(shmloader.WorkerDiedError, match=rf"pid {pid}\) exited unexpectedly: it was killed by signal SIGKILL"):
+    with pytest.raises(shmloader.WorkerDiedError, match=rf"worker \d \(pid {pid}\) was killed by signal SIGKILL( while producing batch \d+ \(index \[\d+\]\))?; 0 of max_worker_restarts=0"):
+        for _ in it:
+            pass
+
+
+def test_iterable_workers_are_not_replaced() -> None:
+    from tests.datasets import PidStream
+
+    it = iter(shmloader.DataLoader(PidStream(), batch_size=1, num_workers=2))
+    pid = int(next(it)[0])
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(shmloader.WorkerDiedError, match="IterableDataset worker cannot be replaced"):
         for _ in it:
             pass
 
