@@ -19,10 +19,10 @@ typecheck: $(VENV)/.installed
 	$(PY) -m mypy
 
 test: typecheck
-	$(PY) -m pytest -m "not soak"
+	$(PY) -m pytest
 
 soak: $(VENV)/.installed
-	$(PY) -m pytest -m soak
+	$(PY) -m pytest -m soak -s tests/soak
 
 bench: $(VENV)/.installed
 	$(PY) -m pip install -q --no-build-isolation -e ".[bench]"

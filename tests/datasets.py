@@ -182,3 +182,22 @@ class LoudGate(Gated):
     def __getitem__(self, i: int) -> torch.Tensor:
         print(f"blocked {os.getpid()}", flush=True)
         return super().__getitem__(i)
+
+
+class Blocks(Dataset):  # type: ignore[type-arg]
+    """Sample i: ``words`` int32 all equal to i, so a torn or stale slot shows in any word."""
+
+    def __init__(self, n: int, words: int = 16384) -> None:
+        self.n, self.words = n, words
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((self.words,), i, dtype=torch.int32)
+
+
+def check_blocks(batch: torch.Tensor, first: int) -> None:
+    """Batch of Blocks starting at sample ``first``, every word checked."""
+    want = torch.arange(first, first + batch.shape[0], dtype=torch.int32)[:, None].expand_as(batch)
+    assert torch.equal(batch.cpu(), want), f"batch starting at {first} is torn or stale"

@@ -1,0 +1,110 @@
+"""Soak (make soak; excluded from the default run): long runs with workers killed at random,
+and 100,000 fuzzed slot headers. Prints its figures for bench/RESULTS.md."""
+
+from __future__ import annotations
+
+import gc
+import mmap
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import shmloader
+from shmloader import _native
+from shmloader._layout import F, LONE_LEAF, RingGeometry
+from shmloader._lease import read_batch
+from shmloader._ring import _Views
+from torch.utils.data import Dataset
+
+pytestmark = [pytest.mark.soak, pytest.mark.timeout(1800)]
+
+
+class Rows(Dataset):  # type: ignore[type-arg]
+    """Sample i: float32[16] all equal to i (exact below 2**24)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((16,), float(i))
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def test_200k_tiny_batches_with_workers_killed_every_5000() -> None:
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    batches, bs = 200_000, 32
+    fds_before = len(os.listdir("/proc/self/fd"))
+    shm_before = sorted(os.listdir("/dev/shm"))
+    loader = shmloader.DataLoader(Rows(batches * bs), batch_size=bs, num_workers=2, max_worker_restarts=1000)
+    offsets = torch.arange(bs, dtype=torch.float32)[:, None].expand(bs, 16)
+    it = iter(loader)
+    kills = 0
+    rss_warm = 0
+    start = time.perf_counter()
+    for k, batch in enumerate(it):
+        if not torch.equal(batch, offsets + float(k * bs)):
+            raise AssertionError(f"batch {k} has wrong contents (kill schedule seed {seed})")
+        if k == 10_000:
+            gc.collect()
+            rss_warm = rss_bytes()
+        if rng.random() < 1 / 5000:
+            os.kill(rng.choice([p.pid for p in it._pool.procs if p.exitcode is None]), signal.SIGKILL)
+            kills += 1
+    elapsed = time.perf_counter() - start
+    assert k == batches - 1, f"{k + 1} batches (seed {seed})"
+    del batch
+    gc.collect()
+    rss_end = rss_bytes()
+    restarts = loader.stats().worker_restarts
+    del it, loader
+    gc.collect()
+    fds_after = len(os.listdir("/proc/self/fd"))
+    print(f"\nsoak: {batches:,} batches in {elapsed:.1f} s ({batches / elapsed:,.0f}/s), {kills} kills, "
+          f"{restarts} restarts, RSS {rss_warm / 2**20:.1f} -> {rss_end / 2**20:.1f} MiB "
+          f"(+{(rss_end - rss_warm) / 2**20:.2f}), fds {fds_before} -> {fds_after}, seed {seed}")
+    assert restarts >= kills - 1 and kills > 10
+    assert rss_end - rss_warm < 5 * 2**20
+    assert fds_after == fds_before
+    assert sorted(os.listdir("/dev/shm")) == shm_before
+
+
+GEOMETRY = RingGeometry(num_workers=1, num_slots=1, data_bytes=1 << 16)
+VIEWS = _Views(GEOMETRY, mmap.mmap(-1, GEOMETRY.total_bytes))
+FIELD = st.integers(-(2**63), 2**63 - 1) | st.integers(0, 1 << 17)
+
+
+@settings(max_examples=100_000, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(table=st.binary(max_size=400), table_off=FIELD, table_len=FIELD, count=st.integers(0, 20))
+def test_fuzz_100k_slot_headers(table: bytes, table_off: int, table_len: int, count: int) -> None:
+    """Random leaf tables and header fields: a batch or CorruptSlotError, nothing else."""
+    base = VIEWS.data_offsets[0]
+    payload = (0x544C4853 | count << 32).to_bytes(8, "little") + table
+    VIEWS.bytes[base : base + len(payload)] = list(payload)
+    meta_off = 1 << 15
+    VIEWS.bytes[base + meta_off : base + meta_off + len(LONE_LEAF)] = list(LONE_LEAF)
+    hdr = VIEWS.headers[0]
+    hdr[F.TABLE_OFF], hdr[F.TABLE_LEN] = table_off, table_len
+    hdr[F.META_OFF], hdr[F.META_LEN] = meta_off, len(LONE_LEAF)
+    try:
+        batch, _, nbytes = read_batch(VIEWS, 0)  # type: ignore[arg-type]
+    except shmloader.CorruptSlotError:
+        return
+    leaves = _native.decode_table(VIEWS.mm, base + table_off, table_len, GEOMETRY.data_bytes)
+    assert len(leaves) == 1 and nbytes == leaves[0][3]

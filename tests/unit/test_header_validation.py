@@ -1,0 +1,68 @@
+"""The main process validates every slot header before it builds a tensor."""
+
+from __future__ import annotations
+
+import mmap
+import pickle
+
+import pytest
+import torch
+
+from shmloader import CorruptSlotError
+from shmloader._collate import SlotWriter
+from shmloader._layout import F, RingGeometry
+from shmloader._lease import read_batch
+from shmloader._ring import _Views
+
+GEOMETRY = RingGeometry(num_workers=1, num_slots=1, data_bytes=1 << 16)
+
+
+def written() -> tuple[_Views, SlotWriter]:
+    views = _Views(GEOMETRY, mmap.mmap(-1, GEOMETRY.total_bytes))
+    writer = SlotWriter(views.mm)
+    writer.begin(views.data_offsets[0], GEOMETRY.data_bytes)
+    writer.finish({"x": torch.arange(10), "y": "label"})
+    hdr = views.headers[0]
+    hdr[F.TABLE_OFF], hdr[F.TABLE_LEN] = writer.table_off, writer.table_len
+    hdr[F.META_OFF], hdr[F.META_LEN] = writer.meta_off, writer.meta_len
+    return views, writer
+
+
+def test_a_valid_slot_reads() -> None:
+    views, _ = written()
+    batch, _, nbytes = read_batch(views, 0)  # type: ignore[arg-type]
+    assert torch.equal(batch["x"], torch.arange(10)) and batch["y"] == "label" and nbytes == 80
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        (F.TABLE_OFF, 1 << 16, "leaf table .* lies outside the slot's 65536-byte data region"),
+        (F.TABLE_OFF, -8, "leaf table .* lies outside"),
+        (F.TABLE_LEN, 1 << 40, "leaf table .* lies outside"),
+        (F.META_OFF, (1 << 16) - 2, "skeleton .* lies outside"),
+        (F.META_LEN, -1, "skeleton .* lies outside"),
+        (F.TABLE_LEN, 4, "outside buffer|leaf table"),
+    ],
+)
+def test_corrupt_header_fields(field: int, value: int, message: str) -> None:
+    views, _ = written()
+    views.headers[0][field] = value
+    with pytest.raises(CorruptSlotError, match=message):
+        read_batch(views, 0)  # type: ignore[arg-type]
+
+
+def test_corrupt_table_and_skeleton() -> None:
+    views, writer = written()
+    start = views.data_offsets[0] + writer.table_off
+    views.bytes[start] ^= 0xFF  # the table's magic
+    with pytest.raises(CorruptSlotError, match="magic"):
+        read_batch(views, 0)  # type: ignore[arg-type]
+    views, writer = written()
+    bad = b"\x80\x05K\x07Q."  # persistent id 7 of a 1-leaf table
+    start = views.data_offsets[0] + writer.meta_off
+    views.bytes[start : start + len(bad)] = list(bad)
+    views.headers[0][F.META_LEN] = len(bad)
+    with pytest.raises(CorruptSlotError, match="refers to leaf 7 of 1"):
+        read_batch(views, 0)  # type: ignore[arg-type]
+    assert pickle.loads(b"\x80\x05K\x07.") == 7  # (the bytes above are a valid pickle otherwise)
