@@ -29,7 +29,7 @@ import posix_ipc
 import torch
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
-from . import _device
+from . import _checkpoint, _device
 from ._dispatch import Dispatcher
 from ._errors import BatchTooLargeError, CorruptSlotError, WorkerDiedError
 from ._budget import plan_ring
@@ -51,6 +51,12 @@ class RingIterator(_BaseDataLoaderIter):
 
     def __init__(self, loader: Any) -> None:
         super().__init__(loader)
+        if loader._shm_resume_seed is not None:
+            # Resuming an epoch that reused persistent workers: their base seed, and the
+            # sampler RNG as that epoch found it (creating this iterator drew from it).
+            self._base_seed, rng = loader._shm_resume_seed
+            _checkpoint.set_rng_state(loader.generator, rng)
+            self._sampler_iter = iter(self._index_sampler)
         self._loader = weakref.ref(loader)
         self._in_order: bool = loader.in_order
         self._prefetch_factor: int = loader.prefetch_factor

@@ -13,8 +13,9 @@ from typing import Any, AsyncIterator
 
 import torch
 import torch.utils.data
+from torch.utils.data.dataloader import _DatasetKind
 
-from . import _device
+from . import _checkpoint, _device
 from ._budget import parse_size
 from ._consume import RingIterator
 from ._stats import Counters, LoaderStats
@@ -112,6 +113,10 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         self._shm_device = _device.parse_device(device, self.num_workers)
         self._shm_first_batch_bytes: int | None = None
         self._shm_iterators: weakref.WeakSet[RingIterator] = weakref.WeakSet()
+        self._shm_epoch_start: _checkpoint.EpochStart | None = None
+        self._shm_current: weakref.ref[Any] | None = None
+        self._shm_resume: dict[str, Any] | None = None
+        self._shm_resume_seed: tuple[int, torch.Tensor] | None = None  # read by RingIterator
 
     def _get_iterator(self) -> Any:
         if self.num_workers == 0:
@@ -125,7 +130,50 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         it = self._iterator
         if isinstance(it, RingIterator) and it.shut_down:
             self._iterator = None  # an error stopped the persistent workers: start afresh
-        return super().__iter__()
+        persistent = self.persistent_workers and self.num_workers > 0
+        resume, self._shm_resume = self._shm_resume, None
+        if resume is None:
+            previous = self._shm_epoch_start
+            start = _checkpoint.EpochStart(
+                epoch=0 if previous is None else previous.epoch + 1,
+                rng=_checkpoint.rng_state(self.generator),
+                fresh=not (persistent and self._iterator is not None),
+            )
+        else:
+            start = _checkpoint.EpochStart(resume["epoch"], resume["rng"], resume["fresh"], resume["base_seed"])
+            _checkpoint.set_rng_state(self.generator, start.rng)
+            if not start.fresh and start.base_seed is not None:
+                # The original epoch reused a persistent iterator: no new base seed was drawn.
+                self._shm_resume_seed = (start.base_seed, start.rng)
+        try:
+            it = super().__iter__()
+        finally:
+            self._shm_resume_seed = None
+        if start.fresh:
+            start.base_seed = getattr(it, "_base_seed", None)
+        elif start.base_seed is None:
+            start.base_seed = getattr(it, "_base_seed", None)
+        self._shm_epoch_start = start
+        self._shm_current = weakref.ref(it)
+        if resume is not None:
+            _checkpoint.fast_forward(it, resume["yielded"], self._dataset_kind == _DatasetKind.Iterable)
+        return it
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader is: load it into a fresh loader (same dataset and arguments) to
+        continue with exactly the remaining batches of the epoch, then the following epochs.
+        Cheap: the workers are not paused and nothing is loaded."""
+        it = None if self._shm_current is None else self._shm_current()
+        persistent = self.persistent_workers and self.num_workers > 0
+        return _checkpoint.make_state(self._shm_epoch_start, it, self.generator, persistent)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next ``iter(loader)`` continue from ``state`` (see ``state_dict``)."""
+        _checkpoint.check_state(state)
+        if isinstance(self._iterator, RingIterator):
+            self._iterator._shutdown_workers()  # a persistent iterator cannot be rewound
+        self._iterator = None
+        self._shm_resume = state
 
     def __aiter__(self) -> AsyncIterator[Any]:
         """``async for batch in loader``: waits on the running event loop, never blocks it

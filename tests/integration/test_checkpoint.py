@@ -1,0 +1,108 @@
+"""state_dict / load_state_dict: a resumed run equals the uninterrupted one, batch for batch."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import shmloader
+from tests.datasets import Range, Shards
+
+EPOCHS = 3
+N, BS = 22, 4  # 6 batches an epoch, the last one short
+
+
+def factory(kind: str, persistent: bool, workers: int = 2) -> Callable[[], shmloader.DataLoader]:
+    def make() -> shmloader.DataLoader:
+        kw: dict[str, Any] = {"batch_size": BS, "num_workers": workers, "persistent_workers": persistent and workers > 0}
+        if kind == "shuffle-generator":
+            return shmloader.DataLoader(Range(N), shuffle=True, generator=torch.Generator().manual_seed(5), **kw)
+        if kind == "shuffle-global":
+            return shmloader.DataLoader(Range(N), shuffle=True, **kw)
+        if kind == "sequential":
+            return shmloader.DataLoader(Range(N), **kw)
+        return shmloader.DataLoader(Shards(N), **kw)
+    return make
+
+
+def epochs_of(loader: shmloader.DataLoader, n: int) -> list[list[list[int]]]:
+    return [[b.flatten().tolist() for b in loader] for _ in range(n)]
+
+
+def close(loader: shmloader.DataLoader) -> None:
+    if loader._iterator is not None:
+        loader._iterator._shutdown_workers()
+
+
+@pytest.mark.parametrize("kind", ["shuffle-generator", "shuffle-global", "sequential", "iterable"])
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("cut", [(0, 0), (0, 3), (1, 5), (1, 6)])
+def test_resume_equals_uninterrupted(kind: str, persistent: bool, cut: tuple[int, int]) -> None:
+    make = factory(kind, persistent)
+    torch.manual_seed(0)
+    reference = make()
+    want = epochs_of(reference, EPOCHS)
+    close(reference)
+
+    torch.manual_seed(0)
+    first = make()
+    cut_epoch, k = cut
+    before = epochs_of(first, cut_epoch)
+    it = iter(first)
+    head = [next(it).flatten().tolist() for _ in range(k)]
+    state = pickle.loads(pickle.dumps(first.state_dict()))  # it must survive a checkpoint file
+    del it
+    close(first)
+
+    torch.manual_seed(1234)  # the resumed process's global RNG is somewhere else entirely
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = [[b.flatten().tolist() for b in resumed]]
+    if k == 6 and kind != "iterable":
+        # After the epoch's last batch of a sized loader the state points at the next epoch.
+        # (An IterableDataset has no length: its resumed epoch yields the empty remainder.)
+        got = before + [head] + rest + epochs_of(resumed, EPOCHS - cut_epoch - 2)
+    else:
+        got = before + [head + rest[0]] + epochs_of(resumed, EPOCHS - cut_epoch - 1)
+    close(resumed)
+    assert got == want
+
+
+@pytest.mark.parametrize("k", [0, 2, 5])
+def test_resume_without_workers(k: int) -> None:
+    make = factory("shuffle-generator", persistent=False, workers=0)
+    want = epochs_of(make(), 2)
+    first = make()
+    it = iter(first)
+    head = [next(it).flatten().tolist() for _ in range(k)]
+    resumed = make()
+    resumed.load_state_dict(first.state_dict())
+    assert head + [b.flatten().tolist() for b in resumed] == want[0]
+    assert epochs_of(resumed, 1) == want[1:]
+
+
+def test_state_before_iterating_and_bad_states() -> None:
+    loader = factory("shuffle-generator", persistent=False)()
+    state = loader.state_dict()
+    assert state["epoch"] == 0 and state["yielded"] == 0
+    fresh = factory("shuffle-generator", persistent=False)()
+    fresh.load_state_dict(state)
+    assert epochs_of(fresh, 1) == epochs_of(factory("shuffle-generator", persistent=False)(), 1)
+    with pytest.raises(ValueError, match="not a shmloader DataLoader state dict"):
+        loader.load_state_dict({"epoch": 1})
+    with pytest.raises(ValueError, match="version 99 is not supported"):
+        loader.load_state_dict({**state, "version": 99})
+
+
+def test_taking_a_state_does_not_disturb_the_epoch() -> None:
+    loader = factory("shuffle-generator", persistent=False)()
+    want = epochs_of(factory("shuffle-generator", persistent=False)(), 1)[0]
+    got = []
+    for batch in loader:
+        got.append(batch.flatten().tolist())
+        loader.state_dict()
+    assert got == want
