@@ -13,6 +13,8 @@ batch's journey per file (see shmloader/README.md):
     _device.py    page-locking the ring; side-stream copies to a CUDA device
     _budget.py    ring sizing: slot count and size, memory_budget
     _stats.py     telemetry: counters and the stats() snapshot
+    _checkpoint.py  state_dict / load_state_dict
+    _bench/       the `shmloader bench` command
     _ring.py      the segment, its semaphores, header and queue views
     _layout.py    the byte layout shared by writer and reader
     _shm.py       POSIX shared memory and semaphores: create, attach, unlink

@@ -1,0 +1,53 @@
+"""Frameworks that re-create a DataLoader from its attributes (Lightning, Accelerate) to inject
+a DistributedSampler."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data.distributed import DistributedSampler
+
+import shmloader
+from tests.datasets import Range
+
+
+def reinstantiate(loader: torch.utils.data.DataLoader, sampler: Any) -> Any:  # type: ignore[type-arg]
+    """What Lightning does: read the constructor's arguments back from the instance, replace the
+    sampler, and call the loader's own class."""
+    params = inspect.signature(type(loader).__init__).parameters
+    kwargs = {name: getattr(loader, name) for name in params if name != "self" and hasattr(loader, name)}
+    kwargs.update(sampler=sampler, batch_sampler=None, shuffle=False)
+    return type(loader)(**kwargs)
+
+
+def test_reinstantiation_keeps_the_class_and_every_option() -> None:
+    loader = shmloader.DataLoader(Range(40), batch_size=4, num_workers=2, prefetch_factor=3, drop_last=True,
+                                  slot_bytes=1 << 16, memory_budget="8MiB", max_worker_restarts=7, in_order=False)
+    shards = []
+    for rank in (0, 1):
+        new = reinstantiate(loader, DistributedSampler(loader.dataset, num_replicas=2, rank=rank, shuffle=False))
+        assert type(new) is shmloader.DataLoader and isinstance(new, torch.utils.data.DataLoader)
+        for name in ("batch_size", "num_workers", "prefetch_factor", "drop_last", "slot_bytes", "memory_budget",
+                     "max_worker_restarts", "in_order", "device", "device_prefetch"):
+            assert getattr(new, name) == getattr(loader, name), name
+        shards.append(sorted(int(v) for b in new for v in b.flatten()))
+    assert not set(shards[0]) & set(shards[1]) and sorted(shards[0] + shards[1]) == list(range(40))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="accelerate is not installed")
+def test_accelerate_prepare_rebuilds_a_torch_loader() -> None:
+    # Accelerate's prepare_data_loader builds its own DataLoaderShard (a torch DataLoader) from
+    # the attributes: batches are right, but shmloader's transport is not used (README says so).
+    from accelerate.data_loader import prepare_data_loader
+
+    loader = shmloader.DataLoader(Range(40), batch_size=4, num_workers=2)
+    shards = []
+    for rank in (0, 1):
+        prepared = prepare_data_loader(loader, num_processes=2, process_index=rank, put_on_device=False)
+        assert not isinstance(prepared, shmloader.DataLoader)
+        shards.append(sorted(int(v) for b in prepared for v in b.flatten()))
+    assert sorted(shards[0] + shards[1]) == list(range(40))

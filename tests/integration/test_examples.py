@@ -1,0 +1,47 @@
+"""The examples run as documented (small settings): sync, async on uvloop, DDP under torchrun."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
+
+
+def run(*args: str, timeout: float = 300) -> str:
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=EXAMPLES.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def losses(out: str) -> list[float]:
+    return [float(x) for x in re.findall(r"loss ([0-9.]+)", out)]
+
+
+def test_train_sync() -> None:
+    out = run(str(EXAMPLES / "train_sync.py"), "--epochs", "2")
+    first, last = losses(out)
+    assert last < first / 10 and "batches 128" in out
+
+
+def test_train_async() -> None:
+    out = run(str(EXAMPLES / "train_async.py"), "--epochs", "2")
+    first, last = losses(out)
+    assert last < first / 10
+    assert int(re.search(r"heartbeats (\d+)", out).group(1)) > 0  # type: ignore[union-attr]
+
+
+def test_train_ddp_two_ranks(tmp_path: pathlib.Path) -> None:
+    run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(EXAMPLES / "train_ddp.py"), "--epochs", "2", "--report", str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for epoch in (0, 1):
+        a, b = (set(r["seen"][epoch]) for r in ranks)
+        assert not a & b, "ranks' shards overlap"
+        assert a | b == set(range(1000)), "the shards do not cover the dataset"
+    assert ranks[0]["seen"][0] != ranks[0]["seen"][1]  # set_epoch reshuffled
+    assert ranks[0]["segment"] != ranks[1]["segment"]
+    assert all(r["workers_exited"] for r in ranks)
