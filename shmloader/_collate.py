@@ -108,8 +108,9 @@ class SlotWriter:
         self._keep.append(obj)
         return leaf_id
 
-    def finish(self, batch: object) -> int:
-        """Pickle ``batch``'s skeleton and write it with the leaf table.
+    def finish(self, batch: object, extra: bytes = b"") -> int:
+        """Pickle ``batch``'s skeleton and write it with the leaf table (and ``extra`` bytes
+        after it: the dataset's state, when it has one).
 
         Returns the bytes the batch needs; when that exceeds the slot's capacity
         nothing usable was written and the caller reports the size.
@@ -124,7 +125,9 @@ class SlotWriter:
         self.meta_len = len(meta)
         self.table_off = round_up(self.meta_off + self.meta_len, 8)
         self.table_len = 8 + sum(24 + 8 * len(leaf[3]) for leaf in self.leaves)
-        needed = self.table_off + self.table_len
+        self.extra_off = round_up(self.table_off + self.table_len, 8)
+        self.extra_len = len(extra)
+        needed = self.extra_off + self.extra_len
         if not self.fits or needed > self.capacity:
             self.fits = False
             return needed
@@ -132,6 +135,9 @@ class SlotWriter:
         start = self.data_off + self.meta_off
         self._bytes[start : start + self.meta_len] = np.frombuffer(meta, dtype=np.uint8)
         _native.encode_table(self._mm, self.data_off + self.table_off, self.table_len, self.leaves)
+        if extra:
+            start = self.data_off + self.extra_off
+            self._bytes[start : start + self.extra_len] = np.frombuffer(extra, dtype=np.uint8)
         self._keep.clear()
         return needed
 

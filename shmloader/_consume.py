@@ -34,7 +34,7 @@ from ._dispatch import Dispatcher
 from ._errors import BatchTooLargeError, CorruptSlotError, WorkerDiedError
 from ._budget import plan_ring
 from ._layout import DONE, C, F, Status
-from ._lease import Leases, copy_leaf, leaves_of, read_batch, read_meta, slot_of
+from ._lease import Leases, copy_leaf, leaves_of, read_batch, read_extra, read_meta, slot_of
 from ._pool import WorkerPool
 from ._ring import Ring
 from ._stats import Counters, RingOccupancy
@@ -83,6 +83,7 @@ class RingIterator(_BaseDataLoaderIter):
         self._device_prefetch: int = loader.device_prefetch
         self._stager: _device.DeviceStager | None = None  # made with the ring, after the fork
         self._pending_error: Exception | None = None
+        resume: _checkpoint.IterableResume | None = loader._shm_resume_iterable
         ctx = loader.multiprocessing_context or torch.multiprocessing
         self._start_method: str = ctx.get_start_method()
         self._doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -99,6 +100,7 @@ class RingIterator(_BaseDataLoaderIter):
                 worker_init_fn=loader.worker_init_fn,
                 parent_pid=os.getpid(),
                 parent_check_s=PARENT_CHECK_S,
+                dataset_state=b"" if resume is None else resume.dataset_states.get(i, b""),
             )
             for i in range(self._num_workers)
         ]
@@ -109,6 +111,10 @@ class RingIterator(_BaseDataLoaderIter):
             raise
         self._shutdown = False
         self._reset(loader, first_iter=True)
+        if resume is not None:  # continue the round-robin where the checkpointed epoch was
+            self._dispatcher.active = list(resume.active)
+            if resume.last_worker is not None:
+                self._dispatcher.skip_to(resume.last_worker + 1)
 
     # ---------------------------------------------------------------- epochs
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
@@ -117,6 +123,8 @@ class RingIterator(_BaseDataLoaderIter):
             self._epoch += 1
         self._free.extend(self._ready.values())
         self._ready = {}
+        self.dataset_states: dict[int, bytes] = {}  # worker -> state after its last delivered batch
+        self.last_worker: int | None = None  # worker of the last delivered batch
         if self._stager is not None:
             self._stager.drain()
         self._outstanding = 0
@@ -132,8 +140,7 @@ class RingIterator(_BaseDataLoaderIter):
     # ----------------------------------------------------------------- logic
     def _steps(self) -> Generator[tuple[Any, ...], None, Any]:
         if self._stager is not None and self._stager.staged:
-            self._counters.batches += 1
-            return self._stager.pop()  # batches staged before an error or shutdown come first
+            return self._pop_staged()  # batches staged before an error or shutdown come first
         if self._pending_error is not None:
             error, self._pending_error = self._pending_error, None
             raise error
@@ -156,14 +163,13 @@ class RingIterator(_BaseDataLoaderIter):
                 else:
                     try:
                         while stager.has_room() and (slot := self._take_next()) is not None:
-                            self._counters.bytes += stager.stage(self._ring, slot)
+                            self._counters.bytes += stager.stage(self._ring, slot, self._note(slot))
                     except Exception as error:
                         if not stager.staged:
                             raise
                         self._pending_error = error  # raised in its turn, after the staged batches
                     if stager.staged:
-                        self._counters.batches += 1
-                        return stager.pop()
+                        return self._pop_staged()
             if self._sampler_done and not self._outstanding and not self._ready:
                 if not self._persistent_workers:
                     self._shutdown_workers()
@@ -383,8 +389,29 @@ class RingIterator(_BaseDataLoaderIter):
         self._shutdown_workers()
         raise CorruptSlotError(f"slot {slot}: unknown result status {status}")
 
+    def _pop_staged(self) -> Any:
+        assert self._stager is not None
+        batch, note = self._stager.pop()
+        self._delivered(note)
+        self._counters.batches += 1
+        return batch
+
+    def _note(self, slot: int) -> tuple[int, bytes] | None:
+        """For an IterableDataset: which worker made this batch and its dataset's state after it."""
+        if not self._iterable:
+            return None
+        assert self._ring is not None
+        return int(self._ring.headers[slot][F.WORKER]), read_extra(self._ring, slot)
+
+    def _delivered(self, note: tuple[int, bytes] | None) -> None:
+        if note is not None:
+            self.last_worker = note[0]
+            if note[1]:
+                self.dataset_states[note[0]] = note[1]
+
     def _deliver(self, slot: int) -> Any:
         assert self._ring is not None
+        self._delivered(self._note(slot))
         # Never lend the last slot: a caller that keeps every batch (list(loader), a
         # replay buffer) would leave the workers nowhere to write. Copy instead.
         copy = self._leases.holding() + 1 >= self._num_slots

@@ -115,14 +115,14 @@ class DeviceStager:
         self.depth = depth
         self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         # Staged batches in delivery order: (batch, copy event, its device tensors).
-        self.staged: collections.deque[tuple[Any, Any, list[torch.Tensor]]] = collections.deque()
+        self.staged: collections.deque[tuple[Any, Any, list[torch.Tensor], Any]] = collections.deque()
         # Slots whose copy may still be running, oldest first (one stream: they finish in order).
         self.copying: collections.deque[tuple[Any, int]] = collections.deque()
 
     def has_room(self) -> bool:
         return len(self.staged) < self.depth
 
-    def stage(self, ring: Ring, slot: int) -> int:
+    def stage(self, ring: Ring, slot: int, note: Any = None) -> int:
         """Start the copy of ``slot``'s batch (numpy leaves are copied on the host); returns
         its bytes."""
         moved: list[torch.Tensor] = []
@@ -138,18 +138,19 @@ class DeviceStager:
             batch, _, nbytes = read_batch(ring, slot, to_device)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self.stream)
-        self.staged.append((batch, event, moved))
+        self.staged.append((batch, event, moved, note))
         self.copying.append((event, slot))
         return nbytes
 
-    def pop(self) -> Any:
-        """The next staged batch, ordered after its copy on the caller's current stream."""
-        batch, event, moved = self.staged.popleft()
+    def pop(self) -> tuple[Any, Any]:
+        """The next staged batch, ordered after its copy on the caller's current stream, and
+        the note staged with it."""
+        batch, event, moved, note = self.staged.popleft()
         current = torch.cuda.current_stream(self.device)
         current.wait_event(event)
         for t in moved:
             t.record_stream(current)
-        return batch
+        return batch, note
 
     def reap(self, block: bool = False) -> list[int]:
         """Slots whose copies have completed; with ``block``, wait for the oldest first."""

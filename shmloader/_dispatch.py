@@ -27,6 +27,10 @@ class Dispatcher:
         self.active = [True] * self.num_workers
         self._next_rr = 0
 
+    def skip_to(self, worker: int) -> None:
+        """Make round-robin continue from ``worker`` (resuming a checkpointed epoch)."""
+        self._next_rr = worker % self.num_workers
+
     def pick(self) -> int | None:
         """The worker for the next task, or None if no worker can take one."""
         if not self.iterable:

@@ -48,6 +48,8 @@ class F:
     NEEDED = 10  # result: bytes the batch needed (set with Status.TOO_LARGE)
     R_EPOCH = 11  # result: epoch echoed by the worker
     R_SEQ = 12  # result: seq echoed by the worker
+    EXTRA_OFF = 13  # result: a pickled IterableDataset state_dict() after this batch (or 0 bytes)
+    EXTRA_LEN = 14
 
 
 N_FIELDS: Final = 16

@@ -100,7 +100,16 @@ def _region(hdr: np.ndarray[Any, Any], off_field: int, len_field: int, cap: int,
 
 def read_meta(ring: Ring, slot: int) -> bytes:
     """The raw skeleton bytes of a slot (also used for pickled worker errors)."""
-    off, length = _region(ring.headers[slot], F.META_OFF, F.META_LEN, ring.geometry.data_bytes, "skeleton", slot)
+    return _read(ring, slot, F.META_OFF, F.META_LEN, "skeleton")
+
+
+def read_extra(ring: Ring, slot: int) -> bytes:
+    """The pickled dataset state a worker stored after the batch (b"" when none)."""
+    return _read(ring, slot, F.EXTRA_OFF, F.EXTRA_LEN, "dataset state")
+
+
+def _read(ring: Ring, slot: int, off_field: int, len_field: int, what: str) -> bytes:
+    off, length = _region(ring.headers[slot], off_field, len_field, ring.geometry.data_bytes, what, slot)
     start = ring.data_offsets[slot] + off
     return ring.mm[start : start + length]
 

@@ -8,6 +8,7 @@ torch's own. Only the multi-process iterator is replaced (``_get_iterator``), an
 
 from __future__ import annotations
 
+import pickle
 import weakref
 from typing import Any, AsyncIterator
 
@@ -117,6 +118,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         self._shm_current: weakref.ref[Any] | None = None
         self._shm_resume: dict[str, Any] | None = None
         self._shm_resume_seed: tuple[int, torch.Tensor] | None = None  # read by RingIterator
+        self._shm_resume_iterable: _checkpoint.IterableResume | None = None  # read by RingIterator
 
     def _get_iterator(self) -> Any:
         if self.num_workers == 0:
@@ -145,10 +147,17 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             if not start.fresh and start.base_seed is not None:
                 # The original epoch reused a persistent iterator: no new base seed was drawn.
                 self._shm_resume_seed = (start.base_seed, start.rng)
+        iterable_state = None if resume is None else resume["iterable"]
+        if iterable_state is not None:
+            if self.num_workers == 0:
+                getattr(self.dataset, "load_state_dict")(pickle.loads(iterable_state["dataset_states"][0])["state"])
+            else:
+                self._shm_resume_iterable = _checkpoint.IterableResume.from_state(iterable_state)
         try:
             it = super().__iter__()
         finally:
             self._shm_resume_seed = None
+            self._shm_resume_iterable = None
         if start.fresh:
             start.base_seed = getattr(it, "_base_seed", None)
         elif start.base_seed is None:
@@ -156,7 +165,13 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         self._shm_epoch_start = start
         self._shm_current = weakref.ref(it)
         if resume is not None:
-            _checkpoint.fast_forward(it, resume["yielded"], self._dataset_kind == _DatasetKind.Iterable)
+            if iterable_state is not None:  # the dataset's own state already holds the position
+                it._num_yielded = resume["yielded"]
+                fetcher = getattr(it, "_dataset_fetcher", None)  # in process: was the epoch over?
+                if fetcher is not None and pickle.loads(iterable_state["dataset_states"][0])["ended"]:
+                    fetcher.ended = True
+            else:
+                _checkpoint.fast_forward(it, resume["yielded"], self._dataset_kind == _DatasetKind.Iterable)
         return it
 
     def state_dict(self) -> dict[str, Any]:
@@ -165,7 +180,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         Cheap: the workers are not paused and nothing is loaded."""
         it = None if self._shm_current is None else self._shm_current()
         persistent = self.persistent_workers and self.num_workers > 0
-        return _checkpoint.make_state(self._shm_epoch_start, it, self.generator, persistent)
+        return _checkpoint.make_state(self._shm_epoch_start, it, self.generator, persistent, self.dataset)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next ``iter(loader)`` continue from ``state`` (see ``state_dict``)."""

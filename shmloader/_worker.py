@@ -52,6 +52,7 @@ class WorkerConfig:
     worker_init_fn: Callable[[int], None] | None
     parent_pid: int
     parent_check_s: float = 0.5  # how often an idle worker checks that the loader lives
+    dataset_state: bytes = b""  # a pickled IterableDataset state to load before its first epoch
 
 
 @dataclasses.dataclass
@@ -92,6 +93,7 @@ class _Producer:
         self._epoch: int | None = None
         self._iter: Any = None
         self._ended = False
+        self.extra = b""
 
     def _samples(self, epoch: int, index: Any) -> Any:
         ds = self.cfg.dataset
@@ -101,6 +103,8 @@ class _Producer:
             getitems = getattr(ds, "__getitems__", None)
             return getitems(index) if getitems else [ds[i] for i in index]
         if epoch != self._epoch:
+            if self._epoch is None and self.cfg.dataset_state:  # resuming from a checkpoint
+                ds.load_state_dict(pickle.loads(self.cfg.dataset_state)["state"])
             self._epoch, self._iter, self._ended = epoch, iter(ds), False
         if self._ended:
             raise StopIteration
@@ -117,6 +121,12 @@ class _Producer:
             raise StopIteration
         return data
 
+    def _dataset_state(self) -> bytes:
+        """An IterableDataset's ``state_dict()`` after this batch, and whether its shard ended
+        within the batch, pickled (b"" for a dataset without state)."""
+        get = getattr(self.cfg.dataset, "state_dict", None) if self.cfg.iterable else None
+        return pickle.dumps({"ended": self._ended, "state": get()}) if callable(get) else b""
+
     def produce(self, epoch: int, index: Any, writer: SlotWriter, fn_map: dict[Any, Any]) -> tuple[Outcome, Any]:
         """Fetch and collate into ``writer``; returns the outcome and the batch object."""
         try:
@@ -126,7 +136,8 @@ class _Producer:
             else:
                 batch = self.cfg.collate_fn(samples)
             del samples
-            needed = writer.finish(batch)
+            self.extra = self._dataset_state()
+            needed = writer.finish(batch, self.extra)
         except StopIteration:
             if not self.cfg.iterable:
                 return Outcome(Status.ERROR, error=_wrap(where=self.where)), None
@@ -170,6 +181,8 @@ def _publish(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWrite
         hdr[F.TABLE_LEN] = writer.table_len
         hdr[F.META_OFF] = writer.meta_off
         hdr[F.META_LEN] = writer.meta_len
+        hdr[F.EXTRA_OFF] = writer.extra_off
+        hdr[F.EXTRA_LEN] = writer.extra_len
     elif outcome.status is Status.ERROR:
         _write_error(ring, slot, hdr, outcome.error)
     hdr[F.STATE] = DONE
@@ -233,7 +246,7 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
     init_error = _init(cfg)
     producer = _Producer(cfg)
     probe_writer = SlotWriter(None)
-    pending: tuple[int, int, Outcome, Any] | None = None
+    pending: tuple[int, int, Outcome, Any, bytes] | None = None
     # Setup phase: the pipe carries the probe and the ring's spec.
     while True:
         if not conn.poll(cfg.parent_check_s):
@@ -251,7 +264,7 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
             else:
                 probe_writer.begin(0, 0)
                 outcome, batch = producer.produce(epoch, index, probe_writer, slot_collate_map(probe_writer))
-            pending = (epoch, seq, outcome, batch)
+            pending = (epoch, seq, outcome, batch, producer.extra)
             conn.send(("probed", int(outcome.status), outcome.needed, outcome.error))
             continue
         spec: RingSpec = msg[1]
@@ -262,10 +275,10 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
     conn.send(("attached",))
     if pending is not None and pending_slot >= 0:
         writer = SlotWriter(ring.mm)
-        epoch, seq, outcome, batch = pending
+        epoch, seq, outcome, batch, extra = pending
         writer.begin(ring.geometry.data_offset(pending_slot), ring.geometry.data_bytes)
         if outcome.status is Status.OK or outcome.status is Status.TOO_LARGE:
-            needed = writer.finish(batch)
+            needed = writer.finish(batch, extra)
             outcome = Outcome(Status.OK if writer.fits else Status.TOO_LARGE, needed=needed)
         _publish(ring, pending_slot, cfg, writer, outcome, epoch, seq, doorbell)
     del pending

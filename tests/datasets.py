@@ -201,3 +201,32 @@ def check_blocks(batch: torch.Tensor, first: int) -> None:
     """Batch of Blocks starting at sample ``first``, every word checked."""
     want = torch.arange(first, first + batch.shape[0], dtype=torch.int32)[:, None].expand_as(batch)
     assert torch.equal(batch.cpu(), want), f"batch starting at {first} is torn or stale"
+
+
+class StatefulShards(IterableDataset):  # type: ignore[type-arg]
+    """range(n) split between workers; ``state_dict()`` is the position in this worker's
+    shard, which starts over once the shard is exhausted (the next epoch)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.pos = 0
+
+    def _shard(self) -> range:
+        info = get_worker_info()
+        if info is None:
+            return range(self.n)
+        per = -(-self.n // info.num_workers)
+        return range(info.id * per, min((info.id + 1) * per, self.n))
+
+    def __iter__(self) -> Any:
+        shard = self._shard()
+        while self.pos < len(shard):
+            self.pos += 1
+            yield shard[self.pos - 1]
+        self.pos = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pos = state["pos"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import shmloader
-from tests.datasets import Range, Shards
+from tests.datasets import Range, Shards, StatefulShards
 
 EPOCHS = 3
 N, BS = 22, 4  # 6 batches an epoch, the last one short
@@ -25,6 +25,8 @@ def factory(kind: str, persistent: bool, workers: int = 2) -> Callable[[], shmlo
             return shmloader.DataLoader(Range(N), shuffle=True, **kw)
         if kind == "sequential":
             return shmloader.DataLoader(Range(N), **kw)
+        if kind == "iterable-stateful":
+            return shmloader.DataLoader(StatefulShards(N), **kw)
         return shmloader.DataLoader(Shards(N), **kw)
     return make
 
@@ -38,7 +40,7 @@ def close(loader: shmloader.DataLoader) -> None:
         loader._iterator._shutdown_workers()
 
 
-@pytest.mark.parametrize("kind", ["shuffle-generator", "shuffle-global", "sequential", "iterable"])
+@pytest.mark.parametrize("kind", ["shuffle-generator", "shuffle-global", "sequential", "iterable", "iterable-stateful"])
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("cut", [(0, 0), (0, 3), (1, 5), (1, 6)])
 def test_resume_equals_uninterrupted(kind: str, persistent: bool, cut: tuple[int, int]) -> None:
@@ -62,7 +64,7 @@ def test_resume_equals_uninterrupted(kind: str, persistent: bool, cut: tuple[int
     resumed = make()
     resumed.load_state_dict(state)
     rest = [[b.flatten().tolist() for b in resumed]]
-    if k == 6 and kind != "iterable":
+    if k == 6 and not kind.startswith("iterable"):
         # After the epoch's last batch of a sized loader the state points at the next epoch.
         # (An IterableDataset has no length: its resumed epoch yields the empty remainder.)
         got = before + [head] + rest + epochs_of(resumed, EPOCHS - cut_epoch - 2)
@@ -106,3 +108,25 @@ def test_taking_a_state_does_not_disturb_the_epoch() -> None:
         got.append(batch.flatten().tolist())
         loader.state_dict()
     assert got == want
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("k", [1, 3, 5, 6])
+def test_a_stateful_iterable_dataset_resumes_from_its_own_state(workers: int, k: int) -> None:
+    make = factory("iterable-stateful", persistent=False, workers=workers)
+    want = epochs_of(make(), 2)
+    first = make()
+    it = iter(first)
+    head = [next(it).flatten().tolist() for _ in range(min(k, len(want[0])))]
+    state = pickle.loads(pickle.dumps(first.state_dict()))
+    assert state["iterable"] is not None and state["iterable"]["dataset_states"]
+    del it
+    close(first)
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = [b.flatten().tolist() for b in resumed]
+    assert head + rest == want[0]
+    if workers:
+        assert resumed.stats().batches == len(rest)  # nothing was produced again and dropped
+    assert epochs_of(resumed, 1) == want[1:]
+    close(resumed)
