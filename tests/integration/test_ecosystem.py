@@ -51,3 +51,17 @@ def test_accelerate_prepare_rebuilds_a_torch_loader() -> None:
         assert not isinstance(prepared, shmloader.DataLoader)
         shards.append(sorted(int(v) for b in prepared for v in b.flatten()))
     assert sorted(shards[0] + shards[1]) == list(range(40))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="lightning is not installed")
+def test_lightning_update_dataloader_keeps_shmloader() -> None:
+    from lightning.fabric.utilities.data import _update_dataloader
+
+    loader = shmloader.DataLoader(Range(40), batch_size=4, num_workers=2, slot_bytes=1 << 16, max_worker_restarts=5)
+    shards = []
+    for rank in (0, 1):
+        new = _update_dataloader(loader, DistributedSampler(loader.dataset, num_replicas=2, rank=rank, shuffle=False))
+        assert type(new) is shmloader.DataLoader
+        assert (new.slot_bytes, new.max_worker_restarts, new.num_workers) == (1 << 16, 5, 2)
+        shards.append(sorted(int(v) for b in new for v in b.flatten()))
+    assert not set(shards[0]) & set(shards[1]) and sorted(shards[0] + shards[1]) == list(range(40))
