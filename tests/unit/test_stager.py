@@ -1,0 +1,88 @@
+"""DeviceStager's bookkeeping on the CPU, with CUDA streams and events stood in by fakes:
+delivery order, notes, bytes, and slots returned only once their copy's event completed.
+(tests/cuda runs the real thing on a GPU.)"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+from typing import Any
+
+import pytest
+import torch
+
+from shmloader import _device
+from shmloader._collate import SlotWriter
+from shmloader._layout import F, RingGeometry
+from shmloader._ring import _Views
+
+
+class FakeEvent:
+    def __init__(self) -> None:
+        self.done = False
+        self.waited_on = False
+
+    def record(self, stream: Any) -> None:
+        stream.events.append(self)
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+class FakeStream:
+    def __init__(self, device: Any = None) -> None:
+        self.events: list[FakeEvent] = []
+
+    def synchronize(self) -> None:
+        for e in self.events:
+            e.done = True
+
+    def wait_event(self, event: FakeEvent) -> None:
+        event.waited_on = True
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeStream:
+    consumer = FakeStream()
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: consumer)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None, raising=False)
+    return consumer
+
+
+def ring_with_batches(values: list[int]) -> _Views:
+    g = RingGeometry(num_workers=1, num_slots=len(values), data_bytes=1 << 14)
+    views = _Views(g, mmap.mmap(-1, g.total_bytes))
+    writer = SlotWriter(views.mm)
+    for slot, v in enumerate(values):
+        writer.begin(views.data_offsets[slot], g.data_bytes)
+        writer.finish({"x": torch.full((4,), v), "n": v})
+        hdr = views.headers[slot]
+        hdr[F.TABLE_OFF], hdr[F.TABLE_LEN] = writer.table_off, writer.table_len
+        hdr[F.META_OFF], hdr[F.META_LEN] = writer.meta_off, writer.meta_len
+    return views
+
+
+def test_stager_delivers_in_order_and_frees_slots_only_after_their_copy(fake_cuda: FakeStream) -> None:
+    views = ring_with_batches([10, 11, 12])
+    stager = _device.DeviceStager(torch.device("cpu"), depth=2)
+    assert stager.stage(views, 0, note="a") == 32  # type: ignore[arg-type]
+    assert stager.stage(views, 1, note="b") == 32  # type: ignore[arg-type]
+    assert not stager.has_room()
+    assert stager.reap() == []  # no copy has completed: no slot goes back
+    batch, note = stager.pop()
+    assert note == "a" and batch["n"] == 10 and torch.equal(batch["x"], torch.full((4,), 10))
+    events = stager.stream.events
+    assert events[0].waited_on and not events[1].waited_on
+    events[0].done = True
+    assert stager.reap() == [0]
+    assert stager.reap(block=True) == [1] and events[1].done  # waits for the oldest when asked
+    stager.stage(views, 2, note="c")  # type: ignore[arg-type]
+    assert [n for _, _, _, n in stager.staged] == ["b", "c"]
+    stager.drain()
+    assert not stager.staged and stager.reap() == [2]
