@@ -36,33 +36,31 @@ def parse_size(value: int | str, name: str = "memory_budget") -> int:
 def plan_ring(
     num_workers: int,
     prefetch_factor: int,
-    first_batch_bytes: int | None,
+    batch_bytes: int | None,
     slot_bytes: int | None,
     memory_budget: int | None,
 ) -> RingGeometry:
     """The ring for these settings.
 
     Without a budget: ``num_workers * prefetch_factor`` slots of ``slot_bytes`` (rounded up
-    to a page) or of the first batch plus headroom. With a budget the whole segment stays
-    within it: fewer slots first (down to one per worker), then, when the slot size was
-    measured, no headroom beyond a page; if even that does not fit, MemoryBudgetError.
+    to a page) or of exactly ``batch_bytes`` (the largest batch measured so far). With a
+    budget the whole segment stays within it, and where possible leaves room beside it for
+    one batch of that size to take the overflow path: fewer slots first (down to one per
+    worker), then no room for overflow; if even that does not fit, MemoryBudgetError.
     """
-    assert slot_bytes is not None or first_batch_bytes is not None
-    sizes = [round_up(slot_bytes, PAGE)] if slot_bytes is not None else [
-        slot_data_bytes(first_batch_bytes or 0),
-        round_up(first_batch_bytes or 0, PAGE),
-    ]
+    assert slot_bytes is not None or batch_bytes is not None
+    size = round_up(slot_bytes, PAGE) if slot_bytes is not None else slot_data_bytes(batch_bytes or 0)
     wanted = num_workers * prefetch_factor
     if memory_budget is None:
-        return RingGeometry(num_workers, wanted, sizes[0])
-    for data_bytes in sizes:
+        return RingGeometry(num_workers, wanted, size)
+    for room in (size, 0):
         for slots in range(wanted, num_workers - 1, -1):
-            g = RingGeometry(num_workers, slots, data_bytes)
-            if g.total_bytes <= memory_budget:
+            g = RingGeometry(num_workers, slots, size)
+            if g.total_bytes + room <= memory_budget:
                 return g
-    smallest = RingGeometry(num_workers, num_workers, sizes[-1]).total_bytes
-    what = f"a slot of {sizes[-1]:,} bytes" + (
-        f" (batches measure {first_batch_bytes:,} bytes)" if slot_bytes is None else " (slot_bytes)"
+    smallest = RingGeometry(num_workers, num_workers, size).total_bytes
+    what = f"a slot of {size:,} bytes" + (
+        f" (batches measure {batch_bytes:,} bytes)" if slot_bytes is None else " (slot_bytes)"
     )
     raise MemoryBudgetError(
         f"memory_budget={memory_budget:,} bytes cannot hold one slot per worker: {num_workers} "

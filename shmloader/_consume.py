@@ -6,12 +6,21 @@ blocking on the ready semaphore in short timed waits (so worker deaths and timeo
 are noticed); ``__anext__`` fulfils them by awaiting the doorbell eventfd and the
 workers' process sentinels on the running event loop: no helper thread, no polling.
 
+Slot state lives in ``_slots.SlotTable`` (free / in flight / waiting for overflow
+memory / ready / lent); this module holds the policy: which task goes where, when
+overflow memory is granted, when the ring grows, waiting and errors.
+
 Invariants:
-- a slot is in exactly one of: free, in flight (``_inflight``), ready (``_ready``),
-  lent to the user (``Leases``);
-- each token of the ready semaphore stands for one in-flight slot whose header says
-  DONE (the worker sets DONE before it posts);
-- a result whose epoch is not the current one is discarded and its slot freed.
+- a worker sets DONE before it posts the ready semaphore, so every token stands for a
+  DONE slot when posted; a token is banked until a DONE slot is found for it (after a
+  worker is replaced, a token of a re-dispatched slot stays banked: a token means "look
+  for DONE slots", never "this slot is done");
+- a result whose epoch is not the current one is discarded and its slot freed;
+- overflow memory granted to a slot (``_overflow``) is freed exactly once: when the
+  delivered batch's last view dies, when its device copy completed, or when its task is
+  dropped (stale epoch, dead worker, error);
+- the ring is replaced (grown) only when no slot is in flight, waiting or ready and no
+  device copy reads it.
 """
 
 from __future__ import annotations
@@ -31,12 +40,14 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
 from . import _checkpoint, _device
 from ._dispatch import Dispatcher
-from ._errors import BatchTooLargeError, CorruptSlotError, WorkerDiedError
+from ._errors import CorruptSlotError, MemoryBudgetError, WorkerDiedError
 from ._budget import plan_ring
-from ._layout import DONE, C, F, Status
-from ._lease import Leases, copy_leaf, leaves_of, read_batch, read_extra, read_meta, slot_of
+from ._layout import DONE, IDLE, PAGE, RESIZE_TASK, C, F, RingGeometry, Status, grown_slot_bytes, round_up
+from ._lease import Leases, Where, copy_leaf, leaves_of, read_batch, read_extra, read_meta, slot_of
+from ._overflow import OverflowArena
 from ._pool import WorkerPool
 from ._ring import Ring
+from ._slots import SlotState, SlotTable
 from ._stats import Counters, RingOccupancy
 from ._worker import WorkerConfig
 
@@ -62,7 +73,7 @@ class RingIterator(_BaseDataLoaderIter):
         self._prefetch_factor: int = loader.prefetch_factor
         self._num_slots: int = self._num_workers * self._prefetch_factor  # memory_budget may lower it
         self._slot_bytes: int | None = loader.slot_bytes
-        self._first_batch_bytes: int | None = loader._shm_first_batch_bytes
+        self._batch_bytes: int | None = loader._shm_batch_bytes
         self._memory_budget: int | None = loader._shm_memory_budget
         self._counters: Counters = loader._shm_counters
         self._max_restarts: int = loader.max_worker_restarts
@@ -71,13 +82,15 @@ class RingIterator(_BaseDataLoaderIter):
         self._ring: Ring | None = None
         self._started = False
         self._deadline: float | None = None
-        self._epoch = 0
         self._banked = 0
-        self._free: list[int] = []
-        self._inflight: dict[int, tuple[int, int, int, Any]] = {}  # slot -> (worker, epoch, seq, index)
-        self._ready: dict[int, int] = {}  # seq -> slot
+        self._table = SlotTable(self._num_slots, self._num_workers)
         self._dispatcher = Dispatcher(self._num_workers, self._iterable)
         self._leases = Leases(self._num_slots)
+        self._arena = OverflowArena()
+        self._overflow: dict[int, tuple[Any, int]] = {}  # slot -> (mapping, bytes) granted to its task
+        self._grow_to: int | None = None  # a larger slot size, taken up once the ring drains
+        self._growth_declined = False  # memory_budget had no room to grow; overflow carries large batches
+        self._awaiting_room = False  # a grant waits for memory_budget: frees ring the doorbell
         self.pinned = False  # the ring is page-locked (pin_memory=True or device= on CUDA)
         self._device: torch.device | None = loader._shm_device
         self._device_prefetch: int = loader.device_prefetch
@@ -110,6 +123,17 @@ class RingIterator(_BaseDataLoaderIter):
             os.close(self._doorbell)
             raise
         self._shutdown = False
+        me = weakref.ref(self)
+
+        def room_freed() -> None:
+            it = me()
+            if it is not None and it._awaiting_room and not it._shutdown:
+                try:
+                    os.eventfd_write(it._doorbell, 1)
+                except OSError:
+                    pass
+
+        self._arena.on_free = room_freed
         self._reset(loader, first_iter=True)
         if resume is not None:  # continue the round-robin where the checkpointed epoch was
             self._dispatcher.active = list(resume.active)
@@ -120,14 +144,12 @@ class RingIterator(_BaseDataLoaderIter):
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)
         if not first_iter:
-            self._epoch += 1
-        self._free.extend(self._ready.values())
-        self._ready = {}
+            self._table.new_epoch()
+            self._growth_declined = False
         self.dataset_states: dict[int, bytes] = {}  # worker -> state after its last delivered batch
         self.last_worker: int | None = None  # worker of the last delivered batch
         if self._stager is not None:
             self._stager.drain()
-        self._outstanding = 0
         self._send_seq = 0
         self._rcvd_seq = 0
         self._sampler_done = False
@@ -152,9 +174,16 @@ class RingIterator(_BaseDataLoaderIter):
         while True:
             stager = self._stager
             if self._ring is not None:
-                self._free.extend(self._leases.take_returned())
+                table = self._table
+                for returned in self._leases.take_returned():
+                    table.give_back(returned)
                 if stager is not None:
-                    self._free.extend(stager.reap())
+                    self._copied(stager.reap())
+                self._collect()
+                self._grant()
+                if self._grow_to is not None and not table.busy() and not (stager and stager.copying):
+                    yield from self._grow()
+                    continue
                 self._dispatch()
                 if stager is None:
                     slot = self._take_next()
@@ -163,23 +192,31 @@ class RingIterator(_BaseDataLoaderIter):
                 else:
                     try:
                         while stager.has_room() and (slot := self._take_next()) is not None:
-                            self._counters.bytes += stager.stage(self._ring, slot, self._note(slot))
+                            where = self._overflow_where(slot)
+                            self._counters.overflow_batches += where is not None
+                            self._counters.bytes += stager.stage(self._ring, slot, self._note(slot), where)
                     except Exception as error:
                         if not stager.staged:
                             raise
                         self._pending_error = error  # raised in its turn, after the staged batches
                     if stager.staged:
                         return self._pop_staged()
-            if self._sampler_done and not self._outstanding and not self._ready:
+            if self._sampler_done and not self._table.outstanding and not self._table.ready:
                 if not self._persistent_workers:
                     self._shutdown_workers()
                 return _END
             self._check()
-            if stager is not None and stager.copying and not self._free:
+            if stager is not None and stager.copying and not self._table.free:
                 # Every slot is copying or staged: only a copy's completion frees one.
-                self._free.extend(stager.reap(block=True))
+                self._copied(stager.reap(block=True))
                 continue
             yield _READY
+
+    def _copied(self, slots: list[int]) -> None:
+        """Device copies out of ``slots`` completed: the slots (and their overflow memory) return."""
+        for slot in slots:
+            self._table.give_back(slot)
+            self._drop_overflow(slot)
 
     def _check(self) -> None:
         """Replace dead workers (or raise); raise if the user's ``timeout`` has passed."""
@@ -190,14 +227,14 @@ class RingIterator(_BaseDataLoaderIter):
 
     def _start(self) -> Generator[tuple[Any, ...], None, None]:
         """Size the ring (from the first batch unless known), create it, attach every worker."""
-        first = self._first_batch_bytes
+        first = self._batch_bytes
         probe: tuple[int, int, Any] | None = None
         while self._slot_bytes is None and first is None:
             task = self._next_task()
             if task is None:
                 return
             wid, seq, index = task
-            self._pool.send(wid, ("probe", self._epoch, seq, index))
+            self._pool.send(wid, ("probe", self._table.epoch, seq, index))
             yield from self._wait_conns([wid])
             _, status, needed, error = self._pool.conns[wid].recv()
             if status == Status.STOP:
@@ -208,12 +245,15 @@ class RingIterator(_BaseDataLoaderIter):
                 error.reraise()
             else:
                 first = needed
-                loader = self._loader()
-                if loader is not None:
-                    loader._shm_first_batch_bytes = first  # later epochs skip the probe
+                self._remember_batch_bytes(first)  # later epochs skip the probe
                 probe = (wid, seq, index)
-        geometry = plan_ring(self._num_workers, self._prefetch_factor, first, self._slot_bytes, self._memory_budget)
+        slot_bytes = self._slot_bytes
+        if slot_bytes is not None and first is not None:  # slot_bytes= is a hint: a ring grown past it stays grown
+            slot_bytes = max(slot_bytes, first)
+        geometry = plan_ring(self._num_workers, self._prefetch_factor, first, slot_bytes, self._memory_budget)
         self._num_slots = geometry.num_slots
+        self._table = SlotTable(geometry.num_slots, self._num_workers, self._table.epoch)
+        self._leases = Leases(geometry.num_slots)
         ring = Ring(geometry)
         self._ring = ring
         if self._device is not None:
@@ -222,12 +262,10 @@ class RingIterator(_BaseDataLoaderIter):
             self.pinned = _device.register_host(ring.mm, ring.geometry.total_bytes)
         elif self._pin_memory:
             _device.warn_unsupported(self._pin_memory_device)
-        self._free = list(range(self._num_slots - 1, -1, -1))
         for wid in range(self._num_workers):
             pending = -1
             if probe is not None and probe[0] == wid:
-                pending = self._free.pop()
-                self._track(pending, wid, probe[1], probe[2])
+                pending = self._table.dispatch(wid, probe[1], probe[2])
             self._pool.send(wid, ("ring", ring.spec, pending))
         for wid in range(self._num_workers):
             yield from self._wait_conns([wid])
@@ -240,13 +278,15 @@ class RingIterator(_BaseDataLoaderIter):
         """Replace dead worker ``wid`` and dispatch its tasks again, or raise WorkerDiedError.
 
         Its slots may be half written: each is reset and its task (same epoch, seq and
-        index) goes to the least-loaded live worker, so the epoch still yields every batch
-        exactly once and in order. A token it posted for a slot that is now re-dispatched
-        stays banked: a token means "look for DONE slots", never "this slot is done".
+        index) goes to a live worker, so the epoch still yields every batch exactly once and
+        in order. Overflow memory granted to its tasks is dropped.
         """
-        tasks = sorted((seq, slot, epoch, index) for slot, (w, epoch, seq, index) in self._inflight.items() if w == wid)
-        current = [t for t in tasks if t[2] == self._epoch]
-        doing = f" while producing batch {current[0][0]} (index {current[0][3]!r:.200})" if current else ""
+        table = self._table
+        current = sorted(table.tasks[s].seq for s in table.of_worker(wid) if table.tasks[s].epoch == table.epoch)
+        doing = ""
+        if current:
+            slot = next(s for s in table.of_worker(wid) if table.tasks[s].seq == current[0])
+            doing = f" while producing batch {current[0]} (index {table.tasks[slot].index!r:.200})"
         used = self._counters.worker_restarts
         reason = None
         if not self._started:
@@ -264,41 +304,42 @@ class RingIterator(_BaseDataLoaderIter):
             )
         assert self._ring is not None
         self._counters.worker_restarts += 1
-        for _, slot, epoch, _ in tasks:
-            del self._inflight[slot]
-            self._dispatcher.load[wid] -= 1
-            if epoch == self._epoch:
-                self._outstanding -= 1
+        orphans = table.orphans(wid)
+        for slot, _ in orphans:
+            self._drop_overflow(slot)
         self._ring.renew_queue(wid)
         self._pool.replace(wid, self._ring, self._doorbell)
-        for seq, slot, epoch, index in tasks:
-            if epoch != self._epoch:
-                self._free.append(slot)
+        for slot, task in orphans:
+            if task.epoch != table.epoch:
                 continue
-            target = self._dispatcher.pick()
+            target = self._dispatcher.pick(table.load)
             assert target is not None
-            self._track(slot, target, seq, index)
-            self._dispatcher.submit(self._ring, slot, target, self._epoch, seq, index)
+            table.redispatch(slot, task, target)
+            self._submit(slot, target, task.seq, task.index)
 
     def _wait_conns(self, wids: list[int]) -> Generator[tuple[Any, ...], None, None]:
         while not all(self._pool.conns[w].poll() for w in wids):
             self._check()
             yield ("conns", wids)
 
-    def _dispatch(self) -> None:
+    def _submit(self, slot: int, wid: int, seq: int, index: Any) -> None:
         assert self._ring is not None
-        while self._free and not self._sampler_done:
+        size = self._dispatcher.submit(self._ring, slot, wid, self._table.epoch, seq, index, self._pool.send)
+        if size > self._ring.geometry.data_bytes:
+            self._want_growth(size)
+
+    def _dispatch(self) -> None:
+        table = self._table
+        while table.free and not self._sampler_done and self._grow_to is None:
             task = self._next_task()
             if task is None:
                 return
             wid, seq, index = task
-            slot = self._free.pop()
-            self._track(slot, wid, seq, index)
-            self._dispatcher.submit(self._ring, slot, wid, self._epoch, seq, index)
+            self._submit(table.dispatch(wid, seq, index), wid, seq, index)
 
     def _next_task(self) -> tuple[int, int, Any] | None:
         """(worker, seq, index) of the epoch's next batch, or None when there is none."""
-        wid = self._dispatcher.pick()
+        wid = self._dispatcher.pick(self._table.load)
         if wid is None:
             self._sampler_done = True
             return None
@@ -311,13 +352,9 @@ class RingIterator(_BaseDataLoaderIter):
         self._send_seq += 1
         return wid, seq, index
 
-    def _track(self, slot: int, wid: int, seq: int, index: Any) -> None:
-        self._inflight[slot] = (wid, self._epoch, seq, index)
-        self._outstanding += 1
-        self._dispatcher.load[wid] += 1
-
     def _collect(self) -> None:
-        """Move DONE slots from in flight to ready, one per semaphore token."""
+        """Take in DONE slots, one per semaphore token: results become ready, requests for
+        overflow memory wait for a grant."""
         assert self._ring is not None
         tokens, self._banked = self._banked, 0
         sem = self._ring.ready
@@ -331,61 +368,180 @@ class RingIterator(_BaseDataLoaderIter):
         if not tokens:
             return
         headers = self._ring.headers
-        for slot in list(self._inflight):
-            if headers[slot][F.STATE] != DONE:
+        table = self._table
+        for slot in list(table.tasks):
+            if table.state[slot] is not SlotState.IN_FLIGHT or headers[slot][F.STATE] != DONE:
                 continue
-            wid, epoch, seq, _ = self._inflight.pop(slot)
-            self._dispatcher.load[wid] -= 1
-            if epoch != self._epoch:
-                self._free.append(slot)
-            else:
-                self._outstanding -= 1
-                self._ready[seq] = slot
+            hdr = headers[slot]
+            if int(hdr[F.STATUS]) == Status.NEED_MEMORY:
+                wid = table.tasks[slot].worker
+                needed = int(hdr[F.NEEDED])
+                if table.overflowed(slot, needed) is None:
+                    self._pool.send_memory(wid, slot, 0, -1)  # a stale epoch's batch: drop it
+                else:
+                    self._want_growth(needed)
+            elif table.done(slot) is None:
+                self._drop_overflow(slot)
             tokens -= 1
             if not tokens:
                 break
         self._banked = tokens
 
+    # ------------------------------------------------------------ overflow
+    def _remember_batch_bytes(self, nbytes: int) -> None:
+        """Rings made later (next epochs, when not persistent) start at this slot size."""
+        self._batch_bytes = max(self._batch_bytes or 0, nbytes)
+        loader = self._loader()
+        if loader is not None:
+            loader._shm_batch_bytes = self._batch_bytes
+
+    def _want_growth(self, nbytes: int) -> None:
+        """A batch (or index) of ``nbytes`` did not fit: grow the slots once the ring drains."""
+        assert self._ring is not None
+        target = grown_slot_bytes(nbytes)
+        self._remember_batch_bytes(target)
+        if self._growth_declined or target <= self._ring.geometry.data_bytes:
+            return
+        self._grow_to = max(self._grow_to or 0, target)
+
+    def _grant(self) -> None:
+        """Give waiting workers their overflow memory, lowest sequence number first, while
+        ``memory_budget`` has room; the rest wait (backpressure)."""
+        assert self._ring is not None
+        table = self._table
+        self._awaiting_room = False
+        for slot in table.waiting():
+            task = table.tasks[slot]
+            if task.epoch != table.epoch:
+                table.drop(slot)
+                self._pool.send_memory(task.worker, slot, 0, -1)
+                continue
+            size = round_up(task.needed, PAGE)
+            if not self._room_for(task.seq, size):
+                self._awaiting_room = True
+                return
+            fd, mm = self._arena.allocate(size)
+            try:
+                if self.pinned:
+                    _device.register_host(mm, size)
+                self._ring.headers[slot][F.STATE] = IDLE  # before the worker can publish again
+                table.granted(slot)
+                self._overflow[slot] = (mm, size)
+                self._pool.send_memory(task.worker, slot, size, fd)
+            finally:
+                os.close(fd)
+
+    def _room_for(self, seq: int, size: int) -> bool:
+        """Whether ``memory_budget`` has room for ``size`` more bytes now; raises when it never
+        will (the batch is larger than the budget leaves beside the ring) or when only the
+        caller could make room (the batches it holds) while it waits for this very batch."""
+        budget = self._memory_budget
+        if budget is None:
+            return True
+        assert self._ring is not None
+        g = self._ring.geometry
+        if g.total_bytes + size > budget:
+            raise MemoryBudgetError(
+                f"batch {seq} needs {size:,} bytes, more than memory_budget={budget:,} leaves beside the "
+                f"ring ({g.total_bytes:,} bytes: {g.num_slots} slots of {g.data_bytes:,}). Raise "
+                f"memory_budget to at least {g.total_bytes + size:,}, or use smaller batches."
+            )
+        if g.total_bytes + self._arena.in_use + size <= budget:
+            return True
+        table = self._table
+        wanted_next = seq == self._rcvd_seq if self._in_order else (
+            not table.ready and not table.count(SlotState.IN_FLIGHT) and not (table.free and not self._sampler_done)
+        )
+        if wanted_next and not self._overflow:
+            raise MemoryBudgetError(
+                f"batch {seq} needs {size:,} bytes of overflow memory but memory_budget={budget:,} has "
+                f"{budget - g.total_bytes - self._arena.in_use:,} free: the ring takes {g.total_bytes:,} and "
+                f"batches still held take {self._arena.in_use:,}. Drop (or loader.release()) earlier "
+                "batches before asking for the next, or raise memory_budget."
+            )
+        return False
+
+    def _overflow_where(self, slot: int) -> Where | None:
+        granted = self._overflow.get(slot)
+        return None if granted is None else (granted[0], 0, granted[1])
+
+    def _drop_overflow(self, slot: int) -> None:
+        granted = self._overflow.pop(slot, None)
+        if granted is not None:
+            self._arena.free(granted[1])
+
+    def _grow(self) -> Generator[tuple[Any, ...], None, None]:
+        """Replace the drained ring by one with larger slots; every worker attaches to it. Under
+        memory_budget only when the new ring fits beside what is still held (the old ring
+        while the user views it); otherwise overflow keeps carrying large batches."""
+        old = self._ring
+        assert old is not None and self._grow_to is not None
+        size, self._grow_to = self._grow_to, None
+        g = RingGeometry(self._num_workers, self._table.num_slots, size)
+        held = old.geometry.total_bytes if self._leases.holding() else 0
+        if self._memory_budget is not None and g.total_bytes + held + self._arena.in_use > self._memory_budget:
+            self._growth_declined = True
+            return
+        ring = Ring(g)
+        if self.pinned:
+            _device.register_host(ring.mm, g.total_bytes)
+        self._ring = ring  # a worker replaced from here on inherits the new ring
+        procs = list(self._pool.procs)
+        for wid in range(self._num_workers):
+            self._pool.send(wid, ("ring", -1, ring.spec))
+            old.push_task(wid, RESIZE_TASK)
+        waiting = set(range(self._num_workers))
+        while waiting:
+            for wid in sorted(waiting):
+                if self._pool.procs[wid] is not procs[wid]:
+                    waiting.discard(wid)  # replaced while we waited: it inherited the new ring
+                elif self._pool.conns[wid].poll():
+                    reply = self._pool.conns[wid].recv()
+                    assert reply == ("attached",), reply
+                    waiting.discard(wid)
+            if waiting:
+                self._check()
+                yield ("conns", sorted(w for w in waiting if self._pool.procs[w] is procs[w]))
+        ring.unlink()
+        old.close()
+        if held:
+            self._arena.retire(old.mm, held)
+        self._table = SlotTable(g.num_slots, self._num_workers, self._table.epoch)
+        self._leases = Leases(g.num_slots)
+        self._counters.ring_growths += 1
+
+    # ------------------------------------------------------------ delivery
     def _take_next(self) -> int | None:
         """The slot of the next batch to yield, skipping exhausted shards; raises worker errors."""
         assert self._ring is not None
-        self._collect()
-        while self._ready:
+        table = self._table
+        while table.ready:
             if self._in_order:
-                if self._rcvd_seq not in self._ready:
+                if self._rcvd_seq not in table.ready:
                     return None
                 seq = self._rcvd_seq
                 self._rcvd_seq += 1
             else:
-                seq = min(self._ready)
-            slot = self._ready.pop(seq)
+                seq = min(table.ready)
+            slot = table.take(seq)
             hdr = self._ring.headers[slot]
             status = int(hdr[F.STATUS])
             if status == Status.OK:
                 return slot
+            table.give_back(slot)
             if status == Status.STOP:
                 self._dispatcher.active[int(hdr[F.WORKER])] = False
-                self._free.append(slot)
                 continue
-            self._fail(slot, status, seq)
+            self._fail(slot, status)
         return None
 
-    def _fail(self, slot: int, status: int, seq: int) -> None:
+    def _fail(self, slot: int, status: int) -> None:
         assert self._ring is not None
-        hdr = self._ring.headers[slot]
-        g = self._ring.geometry
+        self._drop_overflow(slot)
         if status == Status.ERROR:
             error = pickle.loads(read_meta(self._ring, slot))
             self._shutdown_workers()
             error.reraise()
-        if status == Status.TOO_LARGE:
-            needed = int(hdr[F.NEEDED])
-            self._shutdown_workers()
-            raise BatchTooLargeError(
-                f"batch {seq} needs {needed:,} bytes but a ring slot holds {g.data_bytes:,} bytes "
-                f"(slots are sized from the first batch plus 25% and 64 KiB, or by slot_bytes=). "
-                f"Pass DataLoader(..., slot_bytes=N) with N >= {needed:,}."
-            )
         self._shutdown_workers()
         raise CorruptSlotError(f"slot {slot}: unknown result status {status}")
 
@@ -401,7 +557,7 @@ class RingIterator(_BaseDataLoaderIter):
         if not self._iterable:
             return None
         assert self._ring is not None
-        return int(self._ring.headers[slot][F.WORKER]), read_extra(self._ring, slot)
+        return int(self._ring.headers[slot][F.WORKER]), read_extra(self._ring, slot, self._overflow_where(slot))
 
     def _delivered(self, note: tuple[int, bytes] | None) -> None:
         if note is not None:
@@ -412,22 +568,36 @@ class RingIterator(_BaseDataLoaderIter):
     def _deliver(self, slot: int) -> Any:
         assert self._ring is not None
         self._delivered(self._note(slot))
-        # Never lend the last slot: a caller that keeps every batch (list(loader), a
-        # replay buffer) would leave the workers nowhere to write. Copy instead.
-        copy = self._leases.holding() + 1 >= self._num_slots
-        try:
-            batch, base, nbytes = read_batch(self._ring, slot, copy_leaf if copy else None)
-        except BaseException:
-            self._free.append(slot)
-            raise
+        where = self._overflow_where(slot)
+        if where is not None:
+            # The batch lies in its own overflow memory: the slot is free at once, the memory
+            # once the batch's last view is dropped.
+            self._overflow.pop(slot)
+            self._table.give_back(slot)
+            try:
+                batch, base, nbytes = read_batch(self._ring, slot, None, where)
+            except BaseException:
+                self._arena.free(where[2])
+                raise
+            self._arena.lend(base, where[2])
+            self._counters.overflow_batches += 1
+        else:
+            # Never lend the last slot: a caller that keeps every batch (list(loader), a
+            # replay buffer) would leave the workers nowhere to write. Copy instead.
+            copy = self._leases.holding() + 1 >= self._table.num_slots
+            try:
+                batch, base, nbytes = read_batch(self._ring, slot, copy_leaf if copy else None)
+            except BaseException:
+                self._table.give_back(slot)
+                raise
+            if copy:
+                self._counters.copies += 1
+                del base
+                self._table.give_back(slot)
+            else:
+                self._leases.lend(slot, base)
         self._counters.batches += 1
         self._counters.bytes += nbytes
-        if copy:
-            self._counters.copies += 1
-            del base
-            self._free.append(slot)
-        else:
-            self._leases.lend(slot, base)
         return batch
 
     # --------------------------------------------------------------- sync
@@ -568,12 +738,13 @@ class RingIterator(_BaseDataLoaderIter):
             return None
         held = self._leases.holding()
         copying = 0 if self._stager is None else len(self._stager.copying)
-        in_flight = len(self._inflight)
-        ready = len(self._ready) + copying
+        table = self._table
+        in_flight = table.count(SlotState.IN_FLIGHT) + table.count(SlotState.WAITING)
+        ready = len(table.ready) + copying
         return RingOccupancy(
-            slots=self._num_slots,
+            slots=table.num_slots,
             slot_bytes=self._ring.geometry.data_bytes,
-            free=self._num_slots - held - in_flight - ready,
+            free=table.num_slots - held - in_flight - ready,
             in_flight=in_flight,
             ready=ready,
             held=held,

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ._layout import Kind
-from ._lease import read_batch
+from ._lease import Where, read_batch
 from ._ring import Ring
 
 _REGISTERED: set[int] = set()  # addresses registered by this process and not yet unregistered
@@ -122,9 +122,10 @@ class DeviceStager:
     def has_room(self) -> bool:
         return len(self.staged) < self.depth
 
-    def stage(self, ring: Ring, slot: int, note: Any = None) -> int:
-        """Start the copy of ``slot``'s batch (numpy leaves are copied on the host); returns
-        its bytes."""
+    def stage(self, ring: Ring, slot: int, note: Any = None, where: Where | None = None) -> int:
+        """Start the copy of ``slot``'s batch (from ``where`` when it lies in overflow memory,
+        which the caller keeps until the slot is reaped; numpy leaves are copied on the host);
+        returns its bytes."""
         moved: list[torch.Tensor] = []
 
         def to_device(leaf: Any, kind: int) -> Any:
@@ -135,7 +136,7 @@ class DeviceStager:
             return out
 
         with torch.cuda.stream(self.stream):
-            batch, _, nbytes = read_batch(ring, slot, to_device)
+            batch, _, nbytes = read_batch(ring, slot, to_device, where)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self.stream)
         self.staged.append((batch, event, moved, note))

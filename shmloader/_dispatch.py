@@ -9,9 +9,8 @@ torch's loader.
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from typing import Any, Callable
 
-from ._errors import BatchTooLargeError
 from ._layout import IDLE, F
 from ._ring import Ring
 
@@ -20,7 +19,6 @@ class Dispatcher:
     def __init__(self, num_workers: int, iterable: bool) -> None:
         self.num_workers = num_workers
         self.iterable = iterable
-        self.load = [0] * num_workers  # tasks in flight per worker, kept by the consumer
         self.reset()
 
     def reset(self) -> None:
@@ -31,10 +29,11 @@ class Dispatcher:
         """Make round-robin continue from ``worker`` (resuming a checkpointed epoch)."""
         self._next_rr = worker % self.num_workers
 
-    def pick(self) -> int | None:
-        """The worker for the next task, or None if no worker can take one."""
+    def pick(self, load: list[int]) -> int | None:
+        """The worker for the next task (``load``: tasks in flight per worker), or None if no
+        worker can take one."""
         if not self.iterable:
-            return min(range(self.num_workers), key=self.load.__getitem__)
+            return min(range(self.num_workers), key=load.__getitem__)
         for _ in range(self.num_workers):
             wid = self._next_rr
             self._next_rr = (wid + 1) % self.num_workers
@@ -42,20 +41,21 @@ class Dispatcher:
                 return wid
         return None
 
-    def submit(self, ring: Ring, slot: int, wid: int, epoch: int, seq: int, index: Any) -> None:
-        """Write the task into ``slot`` and queue it for worker ``wid``."""
+    def submit(self, ring: Ring, slot: int, wid: int, epoch: int, seq: int, index: Any,
+               send: Callable[[int, tuple[Any, ...]], None]) -> int:
+        """Write the task into ``slot`` and queue it for worker ``wid``; an index too large for
+        the slot goes over the worker's connection (``send``) instead. Returns its size."""
         payload = pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
-        g = ring.geometry
-        if len(payload) > g.data_bytes:
-            raise BatchTooLargeError(
-                f"the index of batch {seq} pickles to {len(payload):,} bytes but a slot holds "
-                f"{g.data_bytes:,} bytes; pass DataLoader(..., slot_bytes=N) with N >= {len(payload):,}"
-            )
         hdr = ring.headers[slot]
         hdr[F.STATE] = IDLE
         hdr[F.EPOCH] = epoch
         hdr[F.SEQ] = seq
-        hdr[F.TASK_LEN] = len(payload)
-        start = ring.data_offsets[slot]
-        ring.mm[start : start + len(payload)] = payload
+        if len(payload) > ring.geometry.data_bytes:
+            hdr[F.TASK_LEN] = -1
+            send(wid, ("index", slot, payload))
+        else:
+            hdr[F.TASK_LEN] = len(payload)
+            start = ring.data_offsets[slot]
+            ring.mm[start : start + len(payload)] = payload
         ring.push_task(wid, slot)
+        return len(payload)

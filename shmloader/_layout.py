@@ -45,11 +45,12 @@ class F:
     TABLE_LEN = 7
     META_OFF = 8  # result: offset of the pickled skeleton (or error) in the data region
     META_LEN = 9
-    NEEDED = 10  # result: bytes the batch needed (set with Status.TOO_LARGE)
+    NEEDED = 10  # result: bytes the batch needs (with Status.NEED_MEMORY: the overflow memory asked for)
     R_EPOCH = 11  # result: epoch echoed by the worker
     R_SEQ = 12  # result: seq echoed by the worker
     EXTRA_OFF = 13  # result: a pickled IterableDataset state_dict() after this batch (or 0 bytes)
     EXTRA_LEN = 14
+    REGION = 15  # result: where the batch lies, a Region value (offsets above are relative to it)
 
 
 N_FIELDS: Final = 16
@@ -66,13 +67,21 @@ class C:
 N_COUNTERS: Final = 4
 IDLE: Final = 0
 DONE: Final = 1
+RESIZE_TASK: Final = -2  # a task-queue entry: attach to the new ring the setup connection carries
+STOP_TASK: Final = -1  # a task-queue entry: exit
 
 
 class Status(enum.IntEnum):
     OK = 0
     STOP = 1  # an IterableDataset shard is exhausted
     ERROR = 2  # the skeleton is a pickled ExceptionWrapper
-    TOO_LARGE = 3  # the batch did not fit; NEEDED holds its size
+    NEED_MEMORY = 3  # the batch did not fit; NEEDED holds its size; the worker waits for overflow memory
+    PROBED = 4  # the probe's reply: the first batch was made privately and measures NEEDED bytes
+
+
+class Region(enum.IntEnum):
+    SLOT = 0  # the slot's own data region
+    OVERFLOW = 1  # the overflow memory the consumer granted for this task (see _overflow.py)
 
 
 class Kind(enum.IntEnum):
@@ -171,11 +180,15 @@ class RingGeometry:
         return (self.num_workers * self.queue_len + worker * N_COUNTERS) * 8
 
 
-def slot_data_bytes(first_batch_bytes: int) -> int:
-    """Default data-region size for a ring whose first batch needed ``first_batch_bytes``.
+def slot_data_bytes(batch_bytes: int) -> int:
+    """Data-region size of a slot for batches of ``batch_bytes``: an exact fit, rounded up to
+    a page. A larger batch later takes the overflow path and the ring grows (see
+    ``grown_slot_bytes``), so no headroom is reserved up front."""
+    return round_up(max(batch_bytes, 1), PAGE)
 
-    The first batch plus 25% and 64 KiB of headroom, rounded up to a page, so that
-    later batches may grow a little (longer strings, variable-length leaves)
-    without hitting the oversize error. Pass ``slot_bytes=`` to choose exactly.
-    """
-    return round_up(first_batch_bytes + first_batch_bytes // 4 + 64 * 1024, PAGE)
+
+def grown_slot_bytes(batch_bytes: int) -> int:
+    """Data-region size a ring grows to after a batch of ``batch_bytes`` overflowed: the batch
+    plus 1/8, so a slowly rising maximum (dynamic padding) grows the ring a few times, not
+    once per new maximum."""
+    return round_up(batch_bytes + batch_bytes // 8, PAGE)

@@ -22,7 +22,7 @@ import torch
 
 from . import _native
 from ._errors import CorruptSlotError
-from ._layout import LONE_LEAF, F, Kind, view_leaf
+from ._layout import LONE_LEAF, F, Kind, Region, view_leaf
 from ._ring import Ring
 
 
@@ -89,7 +89,7 @@ class _LeafUnpickler(pickle.Unpickler):
         return self._leaves[pid]
 
 
-def _region(hdr: np.ndarray[Any, Any], off_field: int, len_field: int, cap: int, what: str, slot: int) -> tuple[int, int]:
+def _span(hdr: np.ndarray[Any, Any], off_field: int, len_field: int, cap: int, what: str, slot: int) -> tuple[int, int]:
     off, length = int(hdr[off_field]), int(hdr[len_field])
     if off < 0 or length < 0 or off > cap or length > cap - off:
         raise CorruptSlotError(
@@ -98,20 +98,28 @@ def _region(hdr: np.ndarray[Any, Any], off_field: int, len_field: int, cap: int,
     return off, length
 
 
-def read_meta(ring: Ring, slot: int) -> bytes:
+# Where a slot's result lies: (mapping, offset of the data region in it, its capacity).
+Where = tuple[Any, int, int]
+
+
+def in_slot(ring: Ring, slot: int) -> Where:
+    return ring.mm, ring.data_offsets[slot], ring.geometry.data_bytes
+
+
+def read_meta(ring: Ring, slot: int, where: Where | None = None) -> bytes:
     """The raw skeleton bytes of a slot (also used for pickled worker errors)."""
-    return _read(ring, slot, F.META_OFF, F.META_LEN, "skeleton")
+    return _read(ring, slot, where, F.META_OFF, F.META_LEN, "skeleton")
 
 
-def read_extra(ring: Ring, slot: int) -> bytes:
+def read_extra(ring: Ring, slot: int, where: Where | None = None) -> bytes:
     """The pickled dataset state a worker stored after the batch (b"" when none)."""
-    return _read(ring, slot, F.EXTRA_OFF, F.EXTRA_LEN, "dataset state")
+    return _read(ring, slot, where, F.EXTRA_OFF, F.EXTRA_LEN, "dataset state")
 
 
-def _read(ring: Ring, slot: int, off_field: int, len_field: int, what: str) -> bytes:
-    off, length = _region(ring.headers[slot], off_field, len_field, ring.geometry.data_bytes, what, slot)
-    start = ring.data_offsets[slot] + off
-    return ring.mm[start : start + length]
+def _read(ring: Ring, slot: int, where: Where | None, off_field: int, len_field: int, what: str) -> bytes:
+    mm, data_off, cap = where or in_slot(ring, slot)
+    off, length = _span(ring.headers[slot], off_field, len_field, cap, what, slot)
+    return mm[data_off + off : data_off + off + length]  # type: ignore[no-any-return]
 
 
 LeafConverter = Callable[[Any, int], Any]
@@ -122,20 +130,24 @@ def copy_leaf(leaf: Any, kind: int) -> Any:
     return leaf.clone() if kind == _TENSOR else leaf.copy()
 
 
-def read_batch(ring: Ring, slot: int, convert: LeafConverter | None = None) -> tuple[Any, np.ndarray[Any, Any], int]:
-    """Build the batch held by ``slot``. Returns (batch, base, leaf bytes): each leaf is a
-    view of slot memory that keeps ``base`` alive, or ``convert(view, kind)`` of it when
-    given (a copy, a device transfer), which then decides whether the slot is still viewed."""
+def read_batch(ring: Ring, slot: int, convert: LeafConverter | None = None,
+               where: Where | None = None) -> tuple[Any, np.ndarray[Any, Any], int]:
+    """Build the batch held by ``slot`` (in its own data region, or ``where`` its header says:
+    overflow memory). Returns (batch, base, leaf bytes): each leaf is a view of that memory
+    that keeps ``base`` alive, or ``convert(view, kind)`` of it when given (a copy, a device
+    transfer), which then decides whether the memory is still viewed."""
     hdr = ring.headers[slot]
-    cap = ring.geometry.data_bytes
-    data_off = ring.data_offsets[slot]
-    table_off, table_len = _region(hdr, F.TABLE_OFF, F.TABLE_LEN, cap, "leaf table", slot)
-    meta = read_meta(ring, slot)
+    expected = Region.SLOT if where is None else Region.OVERFLOW
+    if int(hdr[F.REGION]) != expected:
+        raise CorruptSlotError(f"slot {slot}: header says region {int(hdr[F.REGION])}, expected {expected.name}")
+    mm, data_off, cap = where or in_slot(ring, slot)
+    table_off, table_len = _span(hdr, F.TABLE_OFF, F.TABLE_LEN, cap, "leaf table", slot)
+    meta = read_meta(ring, slot, where)
     try:
-        table = _native.decode_table(ring.mm, data_off + table_off, table_len, cap)
+        table = _native.decode_table(mm, data_off + table_off, table_len, cap)
     except ValueError as exc:
         raise CorruptSlotError(f"slot {slot}: {exc}") from None
-    base = np.frombuffer(ring.mm, dtype=np.uint8, count=cap, offset=data_off)
+    base = np.frombuffer(mm, dtype=np.uint8, count=cap, offset=data_off)
     leaves: list[Any] = []
     total = 0
     for code, kind, off, nbytes, shape in table:

@@ -32,20 +32,25 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
     ring when the batch's last tensor is dropped, or at once with :meth:`release`.
 
     Args beyond torch's:
-        slot_bytes: bytes of one slot's data region. By default the ring is sized from
-            the first batch plus 25% and 64 KiB; set it when later batches can be larger
-            (variable-length samples, a batch_sampler whose first batch is small).
+        slot_bytes: a hint for the bytes of one slot's data region. By default slots fit the
+            first batch exactly (rounded up to a page). A batch that does not fit a slot is
+            still delivered, zero-copy, through overflow shared memory, and the ring then grows
+            its slots once it drains, so no batch fails for its size; set it only to skip the
+            first growths when you know later batches are larger.
         device: ``"cuda"``, ``"cuda:1"`` or a ``torch.device`` to receive batches already on
             that GPU: the ring is page-locked in place and each ready slot is copied on a side
             stream ahead of the consumer; the batch is ordered after its copy on your current
             stream. ``None`` or ``"cpu"``: CPU batches. Needs ``num_workers > 0``.
         device_prefetch: how many batches may sit on the device ahead of the consumer
             (bounds the GPU memory used beyond the batches you hold). Default 2.
-        memory_budget: bytes (or a string such as ``"512MiB"``, ``"2GiB"``) the ring may
-            use. The ring is sized to fit: fewer slots first (down to one per worker), then
-            no headroom in the slot size; if even one slot per worker cannot hold a batch,
-            the first ``next()`` raises ``MemoryBudgetError``. It bounds the shared memory
-            the loader allocates, not the workers' own Python and dataset memory.
+        memory_budget: bytes (or a string such as ``"512MiB"``, ``"2GiB"``) of shared memory
+            the loader may use: the ring plus the overflow memory of batches that do not fit a
+            slot. The ring is sized to fit with room beside it for one overflow batch (fewer
+            slots first, down to one per worker); a worker whose oversized batch finds no room
+            waits until held batches are dropped. ``MemoryBudgetError`` when one slot per worker
+            cannot hold a batch, when one batch is larger than the budget leaves beside the
+            ring, or when only the batches the caller holds could make room for the batch it
+            waits for. It bounds shared memory, not the workers' own Python and dataset memory.
         max_worker_restarts: how many dead workers (SIGKILL, OOM killer, a crash in C) the
             loader replaces over its lifetime, dispatching their tasks again so every batch
             still arrives exactly once and in order; one more death raises
@@ -112,7 +117,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         self.device = device
         self.device_prefetch = device_prefetch
         self._shm_device = _device.parse_device(device, self.num_workers)
-        self._shm_first_batch_bytes: int | None = None
+        self._shm_batch_bytes: int | None = None  # the slot size rings start at (measured, then grown)
         self._shm_iterators: weakref.WeakSet[RingIterator] = weakref.WeakSet()
         self._shm_epoch_start: _checkpoint.EpochStart | None = None
         self._shm_current: weakref.ref[Any] | None = None
@@ -212,6 +217,8 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             compute_s=c.compute_s,
             copies=c.copies,
             worker_restarts=c.worker_restarts,
+            overflow_batches=c.overflow_batches,
+            ring_growths=c.ring_growths,
             worker_busy=() if it is None else it.worker_busy(),
             ring=None if it is None else it.occupancy(),
         )

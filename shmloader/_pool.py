@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import signal
 import time
+from multiprocessing import reduction
 from typing import Any
 
 from ._errors import WorkerDiedError
+from ._layout import STOP_TASK
 from ._ring import AttachedRing
 from ._worker import InheritedFd, WorkerConfig, worker_main, worker_replacement
 
@@ -61,17 +63,29 @@ class WorkerPool:
             )
 
     def replace(self, wid: int, ring: Any, doorbell: int) -> None:
-        """Start a new worker ``wid`` that inherits the ring (fork start method only)."""
+        """Start a new worker ``wid`` that inherits the ring (fork start method only), with a new
+        connection (closing the old one drops whatever the dead worker had queued on it)."""
         import multiprocessing
 
+        ctx = multiprocessing.get_context("fork")
         self.procs[wid].join()
+        self.conns[wid].close()
+        parent_end, child_end = ctx.Pipe(duplex=True)
+        self.conns[wid] = parent_end
         cfg = self.configs[wid]
-        proc = multiprocessing.get_context("fork").Process(
-            target=worker_replacement, args=(cfg, AttachedRing.inherited(ring, wid), InheritedFd(doorbell)),
+        proc = ctx.Process(
+            target=worker_replacement, args=(cfg, AttachedRing.inherited(ring, wid), child_end, InheritedFd(doorbell)),
             daemon=True, name=f"shmloader-worker-{wid}",
         )
         proc.start()
+        child_end.close()
         self.procs[wid] = proc
+
+    def send_memory(self, wid: int, slot: int, size: int, fd: int) -> None:
+        """Hand overflow memory (``size`` bytes at ``fd``; 0 and -1: drop the batch) to ``wid``."""
+        self.send(wid, ("memory", slot, size))
+        if size:
+            reduction.send_handle(self.conns[wid], fd, self.procs[wid].pid)
 
     def send(self, wid: int, msg: tuple[Any, ...]) -> None:
         try:
@@ -88,7 +102,7 @@ class WorkerPool:
         for wid, proc in enumerate(self.procs):
             if proc.exitcode is None:
                 if ring is not None:
-                    ring.push_task(wid, -1)
+                    ring.push_task(wid, STOP_TASK)
                 try:
                     self.conns[wid].send(("stop",))
                 except OSError:

@@ -86,7 +86,7 @@ class Ring(_Views):
             self._unlink(self.segment)
 
     def push_task(self, worker: int, slot: int) -> None:
-        """Queue ``slot`` (or -1: stop) for ``worker`` and wake it."""
+        """Queue ``slot`` (or STOP_TASK, RESIZE_TASK) for ``worker`` and wake it."""
         q = self.queues[worker]
         q[self._tails[worker] % self.geometry.queue_len] = slot
         self._tails[worker] += 1
@@ -136,8 +136,13 @@ class AttachedRing(_Views):
         assert ring.ready is not None
         return cls(ring.geometry, ring.mm, ring.ready, ring.tasks[worker_id], worker_id)
 
+    def close(self) -> None:
+        """Close this process's semaphore handles (the mapping goes with the last view)."""
+        self.ready.close()
+        self.task.close()
+
     def next_task(self, timeout: float) -> int | None:
-        """The next slot queued for this worker, -1 for stop, None on timeout."""
+        """The next slot queued for this worker (or STOP_TASK, RESIZE_TASK), None on timeout."""
         try:
             self.task.acquire(timeout)
         except posix_ipc.BusyError:

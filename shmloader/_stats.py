@@ -13,7 +13,8 @@ import time
 class Counters:
     """Mutable tallies kept across the loader's iterators (epochs)."""
 
-    __slots__ = ("batches", "bytes", "wait_s", "compute_s", "copies", "worker_restarts", "_last_return")
+    __slots__ = ("batches", "bytes", "wait_s", "compute_s", "copies", "worker_restarts", "overflow_batches",
+                 "ring_growths", "_last_return")
 
     def __init__(self) -> None:
         self.batches = 0
@@ -22,6 +23,8 @@ class Counters:
         self.compute_s = 0.0
         self.copies = 0
         self.worker_restarts = 0
+        self.overflow_batches = 0
+        self.ring_growths = 0
         self._last_return: float | None = None
 
     def requested(self) -> float:
@@ -75,6 +78,11 @@ class LoaderStats:
     """Batches delivered as copies because the consumer held all other slots."""
     worker_restarts: int
     """Workers replaced after dying."""
+    overflow_batches: int
+    """Batches that did not fit a ring slot and came through overflow shared memory (still zero-copy)."""
+    ring_growths: int
+    """Times the ring replaced its slots by larger ones after oversized batches (``ring.slot_bytes``
+    is the current size)."""
     worker_busy: tuple[float, ...]
     """Per worker, the fraction of time since it started that it spent producing batches."""
     ring: RingOccupancy | None

@@ -7,6 +7,11 @@ from its task queue (a semaphore per worker), reads the pickled index from the
 slot, writes the batch and the result header, marks the slot DONE, posts the ready
 semaphore and rings the doorbell (an eventfd the main process's event loop watches).
 
+A batch that does not fit its slot takes the overflow path (see ``_overflow.py``): the
+worker publishes the slot as ``NEED_MEMORY`` and waits on its setup connection for the
+memory (an fd) or a "drop", writes the batch there and publishes again. When the ring
+grows, a resize task makes it attach to the new ring the connection carries.
+
 It exits on a stop task, or within a second of its parent's death. It ignores
 SIGINT: Ctrl-C is the main process's to handle, and the main process stops it.
 """
@@ -14,6 +19,7 @@ SIGINT: Ctrl-C is the main process's to handle, and the main process stops it.
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import os
 import pickle
 import random
@@ -28,10 +34,11 @@ import numpy as np
 import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data._utils import collate as torch_collate
+from multiprocessing import reduction
 from torch.utils.data._utils import worker as torch_worker
 
 from ._collate import SlotWriter, slot_collate_map
-from ._layout import DONE, C, F, Status
+from ._layout import DONE, RESIZE_TASK, C, F, Region, Status
 from ._ring import AttachedRing, RingSpec
 
 _ONE = struct.pack("=Q", 1)
@@ -145,7 +152,7 @@ class _Producer:
         except Exception:
             return Outcome(Status.ERROR, error=_wrap(where=self.where)), None
         if not writer.fits:
-            return Outcome(Status.TOO_LARGE, needed=needed), batch
+            return Outcome(Status.NEED_MEMORY, needed=needed), batch
         return Outcome(Status.OK, needed=needed), batch
 
 
@@ -169,13 +176,14 @@ def _init(cfg: WorkerConfig) -> ExceptionWrapper | None:
 
 
 def _publish(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWriter, outcome: Outcome,
-             epoch: int, seq: int, doorbell: int) -> None:
+             epoch: int, seq: int, doorbell: int, region: Region = Region.SLOT) -> None:
     hdr = ring.headers[slot]
     hdr[F.STATUS] = outcome.status
     hdr[F.WORKER] = cfg.worker_id
     hdr[F.R_EPOCH] = epoch
     hdr[F.R_SEQ] = seq
     hdr[F.NEEDED] = outcome.needed
+    hdr[F.REGION] = region
     if outcome.status is Status.OK:
         hdr[F.TABLE_OFF] = writer.table_off
         hdr[F.TABLE_LEN] = writer.table_len
@@ -241,6 +249,68 @@ def worker_main(cfg: WorkerConfig, conn: Any, doorbell: InheritedFd) -> None:
         sys.stdout.flush()
 
 
+class Mailbox:
+    """The worker's end of its setup connection once it serves the ring. The consumer sends
+    what does not fit in shared memory: overflow memory ("memory", slot, size, then the fd;
+    size 0 means drop the batch), an index too large for its slot ("index", slot, payload),
+    a new ring ("ring", -1, spec) and ("stop",). Messages for a later task are kept until
+    asked for."""
+
+    def __init__(self, conn: Any, parent: ParentWatch, check_s: float) -> None:
+        self.conn = conn
+        self.parent = parent
+        self.check_s = check_s
+        self._kept: dict[tuple[str, int], tuple[Any, ...]] = {}
+
+    def expect(self, kind: str, slot: int = -1) -> tuple[Any, ...] | None:
+        """The message ``(kind, slot, ...)``; None when told to stop or the loader is gone."""
+        while (kind, slot) not in self._kept:
+            while not self.conn.poll(self.check_s):
+                if not self.parent.alive():
+                    return None
+            msg = self.conn.recv()
+            if msg[0] == "stop":
+                return None
+            if msg[0] == "memory":
+                msg = (*msg, reduction.recv_handle(self.conn) if msg[2] else -1)
+            self._kept[(msg[0], msg[1])] = msg
+        return self._kept.pop((kind, slot))
+
+
+def _deliver(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWriter, outcome: Outcome, batch: Any,
+             extra: bytes, epoch: int, seq: int, mailbox: Mailbox, doorbell: int) -> bool:
+    """Publish ``outcome``; a batch that did not fit takes the overflow path. False: stop."""
+    if outcome.status is not Status.NEED_MEMORY:
+        _publish(ring, slot, cfg, writer, outcome, epoch, seq, doorbell)
+        return True
+    measure = SlotWriter(None)  # exactly what a fresh writer will need (leaf order included)
+    needed = measure.finish(batch, extra)
+    _publish(ring, slot, cfg, writer, Outcome(Status.NEED_MEMORY, needed=needed), epoch, seq, doorbell)
+    reply = mailbox.expect("memory", slot)
+    if reply is None:
+        return False
+    _, _, size, fd = reply
+    if not size:
+        return True  # the consumer no longer wants this batch (a new epoch began)
+    try:
+        mm = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    overflow = SlotWriter(mm)
+    overflow.begin(0, size)
+    try:
+        overflow.finish(batch, extra)
+        if not overflow.fits:
+            raise RuntimeError(f"the batch measured {needed:,} bytes, then needed more than the {size:,} granted")
+        outcome = Outcome(Status.OK, needed=needed)
+    except Exception:
+        outcome = Outcome(Status.ERROR, error=_wrap(where=f"in DataLoader worker process {cfg.worker_id}"))
+    del overflow, mm  # unmapped once the writer's views are gone; the consumer keeps its own mapping
+    _publish(ring, slot, cfg, writer, outcome, epoch, seq, doorbell,
+             Region.OVERFLOW if outcome.status is Status.OK else Region.SLOT)
+    return True
+
+
 def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
     parent = ParentWatch(cfg.parent_pid)
     init_error = _init(cfg)
@@ -264,6 +334,8 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
             else:
                 probe_writer.begin(0, 0)
                 outcome, batch = producer.produce(epoch, index, probe_writer, slot_collate_map(probe_writer))
+                if outcome.status is Status.NEED_MEMORY:
+                    outcome = Outcome(Status.PROBED, needed=outcome.needed)
             pending = (epoch, seq, outcome, batch, producer.extra)
             conn.send(("probed", int(outcome.status), outcome.needed, outcome.error))
             continue
@@ -273,54 +345,86 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
     ring = AttachedRing.by_name(spec, cfg.worker_id)
     ring.counters[cfg.worker_id][C.STARTED_NS] = time.monotonic_ns()
     conn.send(("attached",))
+    mailbox = Mailbox(conn, parent, cfg.parent_check_s)
     if pending is not None and pending_slot >= 0:
         writer = SlotWriter(ring.mm)
         epoch, seq, outcome, batch, extra = pending
         writer.begin(ring.geometry.data_offset(pending_slot), ring.geometry.data_bytes)
-        if outcome.status is Status.OK or outcome.status is Status.TOO_LARGE:
+        if outcome.status is Status.PROBED:
             needed = writer.finish(batch, extra)
-            outcome = Outcome(Status.OK if writer.fits else Status.TOO_LARGE, needed=needed)
-        _publish(ring, pending_slot, cfg, writer, outcome, epoch, seq, doorbell)
+            outcome = Outcome(Status.OK if writer.fits else Status.NEED_MEMORY, needed=needed)
+        if not _deliver(ring, pending_slot, cfg, writer, outcome, batch, extra, epoch, seq, mailbox, doorbell):
+            return
     del pending
-    _serve(cfg, ring, producer, parent, init_error, doorbell)
+    _serve(cfg, ring, producer, mailbox, init_error, doorbell)
 
 
-def worker_replacement(cfg: WorkerConfig, ring: AttachedRing, doorbell: InheritedFd) -> None:
+def worker_replacement(cfg: WorkerConfig, ring: AttachedRing, conn: Any, doorbell: InheritedFd) -> None:
     """Entry point of a worker that replaces a dead one (fork only: it inherits the ring)."""
     try:
         parent = ParentWatch(cfg.parent_pid)
         init_error = _init(cfg)
         ring.counters[cfg.worker_id][C.STARTED_NS] = time.monotonic_ns()
-        _serve(cfg, ring, _Producer(cfg), parent, init_error, doorbell.fd)
+        _serve(cfg, ring, _Producer(cfg), Mailbox(conn, parent, cfg.parent_check_s), init_error, doorbell.fd)
     except KeyboardInterrupt:
         pass
 
 
-def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: _Producer, parent: ParentWatch,
+def _reattach(cfg: WorkerConfig, old: AttachedRing, mailbox: Mailbox) -> AttachedRing | None:
+    """The ring grew: attach to the new one (counters carried over), tell the consumer."""
+    msg = mailbox.expect("ring")
+    if msg is None:
+        return None
+    ring = AttachedRing.by_name(msg[2], cfg.worker_id)
+    ring.counters[cfg.worker_id][:] = old.counters[cfg.worker_id]
+    old.close()
+    mailbox.conn.send(("attached",))
+    return ring
+
+
+def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: _Producer, mailbox: Mailbox,
            init_error: ExceptionWrapper | None, doorbell: int) -> None:
-    """Steady state: tasks from the queue, batches into slots; shared memory and semaphores only."""
+    """Steady state: tasks from the queue, batches into slots; shared memory and semaphores only
+    (the setup connection only for what does not fit: overflow memory, a grown ring)."""
     writer = SlotWriter(ring.mm)
     fn_map = slot_collate_map(writer)
-    geometry = ring.geometry
-    counters = ring.counters[cfg.worker_id]
     while True:
         slot = ring.next_task(cfg.parent_check_s)
         if slot is None:
-            if not parent.alive():
+            if not mailbox.parent.alive():
                 return
+            continue
+        if slot == RESIZE_TASK:
+            del writer, fn_map  # views of the old ring
+            grown = _reattach(cfg, ring, mailbox)
+            if grown is None:
+                return
+            ring = grown
+            writer = SlotWriter(ring.mm)
+            fn_map = slot_collate_map(writer)
             continue
         if slot < 0:
             return
+        geometry = ring.geometry
         hdr = ring.headers[slot]
         epoch, seq, task_len = int(hdr[F.EPOCH]), int(hdr[F.SEQ]), int(hdr[F.TASK_LEN])
         start = geometry.data_offset(slot)
-        index = pickle.loads(ring.mm[start : start + task_len])
+        if task_len >= 0:
+            index = pickle.loads(ring.mm[start : start + task_len])
+        else:  # the pickled index did not fit the slot: it came over the connection
+            msg = mailbox.expect("index", slot)
+            if msg is None:
+                return
+            index = pickle.loads(msg[2])
         began = time.monotonic_ns()
         writer.begin(start, geometry.data_bytes)
+        batch = None
         if init_error is not None:
             outcome, init_error = Outcome(Status.ERROR, error=init_error), None
         else:
-            outcome, _ = producer.produce(epoch, index, writer, fn_map)
-        counters[C.BUSY_NS] += time.monotonic_ns() - began
-        counters[C.BATCHES] += 1
-        _publish(ring, slot, cfg, writer, outcome, epoch, seq, doorbell)
+            outcome, batch = producer.produce(epoch, index, writer, fn_map)
+        ring.counters[cfg.worker_id][C.BUSY_NS] += time.monotonic_ns() - began
+        ring.counters[cfg.worker_id][C.BATCHES] += 1
+        if not _deliver(ring, slot, cfg, writer, outcome, batch, producer.extra, epoch, seq, mailbox, doorbell):
+            return
+        del batch
