@@ -84,7 +84,7 @@ class RingIterator(_BaseDataLoaderIter):
         self._deadline: float | None = None
         self._banked = 0
         self._table = SlotTable(self._num_slots, self._num_workers)
-        self._dispatcher = Dispatcher(self._num_workers, self._iterable)
+        self._dispatcher = Dispatcher(self._num_workers, self._iterable, self._in_order)
         self._leases = Leases(self._num_slots)
         self._arena = OverflowArena()
         self._overflow: dict[int, tuple[Any, int]] = {}  # slot -> (mapping, bytes) granted to its task
@@ -279,7 +279,8 @@ class RingIterator(_BaseDataLoaderIter):
 
         Its slots may be half written: each is reset and its task (same epoch, seq and
         index) goes to a live worker, so the epoch still yields every batch exactly once and
-        in order. Overflow memory granted to its tasks is dropped.
+        in order. They go to its replacement (same worker id and seeds), so the batch -> worker
+        assignment stays torch's. Overflow memory granted to its tasks is dropped.
         """
         table = self._table
         current = sorted(table.tasks[s].seq for s in table.of_worker(wid) if table.tasks[s].epoch == table.epoch)
@@ -309,13 +310,10 @@ class RingIterator(_BaseDataLoaderIter):
             self._drop_overflow(slot)
         self._ring.renew_queue(wid)
         self._pool.replace(wid, self._ring, self._doorbell)
-        for slot, task in orphans:
-            if task.epoch != table.epoch:
-                continue
-            target = self._dispatcher.pick(table.load)
-            assert target is not None
-            table.redispatch(slot, task, target)
-            self._submit(slot, target, task.seq, task.index)
+        for slot, task in orphans:  # to its replacement: the batch -> worker assignment stays torch's
+            if task.epoch == table.epoch:
+                table.redispatch(slot, task, wid)
+                self._submit(slot, wid, task.seq, task.index)
 
     def _wait_conns(self, wids: list[int]) -> Generator[tuple[Any, ...], None, None]:
         while not all(self._pool.conns[w].poll() for w in wids):
@@ -339,7 +337,7 @@ class RingIterator(_BaseDataLoaderIter):
 
     def _next_task(self) -> tuple[int, int, Any] | None:
         """(worker, seq, index) of the epoch's next batch, or None when there is none."""
-        wid = self._dispatcher.pick(self._table.load)
+        wid = self._dispatcher.pick(self._table.load, self._num_workers * self._prefetch_factor)
         if wid is None:
             self._sampler_done = True
             return None

@@ -1,9 +1,11 @@
 """Dispatch: turn sampler indices into tasks in free slots, and pick the worker.
 
-A map-style task goes to the least-loaded worker (never to one already behind).
-An IterableDataset task goes round-robin to the workers whose shard is not yet
-exhausted, as torch does, so batch k of an epoch comes from the same worker as in
-torch's loader.
+Tasks go round-robin to the workers that can take one, as torch's loader sends them:
+every worker with ``in_order=True``; with ``in_order=False`` those with fewer than their
+share of the in-flight tasks; for an IterableDataset only those whose shard is not yet
+exhausted. So batch k of an epoch comes from the same worker as in torch's loader, and
+random augmentation drawn from a worker's seeded RNGs is the same as torch's, whatever
+the timing.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from ._ring import Ring
 
 
 class Dispatcher:
-    def __init__(self, num_workers: int, iterable: bool) -> None:
+    def __init__(self, num_workers: int, iterable: bool, in_order: bool = True) -> None:
         self.num_workers = num_workers
         self.iterable = iterable
+        self.in_order = in_order
         self.reset()
 
     def reset(self) -> None:
@@ -29,15 +32,13 @@ class Dispatcher:
         """Make round-robin continue from ``worker`` (resuming a checkpointed epoch)."""
         self._next_rr = worker % self.num_workers
 
-    def pick(self, load: list[int]) -> int | None:
-        """The worker for the next task (``load``: tasks in flight per worker), or None if no
-        worker can take one."""
-        if not self.iterable:
-            return min(range(self.num_workers), key=load.__getitem__)
+    def pick(self, load: list[int], capacity: int) -> int | None:
+        """The worker for the next task (``load``: tasks in flight per worker; ``capacity``: tasks
+        in flight at most), or None if no worker can take one."""
         for _ in range(self.num_workers):
             wid = self._next_rr
             self._next_rr = (wid + 1) % self.num_workers
-            if self.active[wid]:
+            if self.active[wid] and (self.in_order or load[wid] < capacity // sum(self.active)):
                 return wid
         return None
 

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import default_collate, default_convert
 
 from shmloader._collate import SlotWriter, slot_collate_map
-from shmloader._layout import F, RingGeometry, slot_data_bytes
+from shmloader._layout import F, RingGeometry, grown_slot_bytes, slot_data_bytes
 from shmloader._lease import copy_leaf, read_batch
 from shmloader._ring import _Views
 from tests.conftest import same
@@ -120,9 +120,10 @@ def test_overflow_measures_what_the_batch_needs() -> None:
 
 
 def test_slot_sizing_policy() -> None:
-    assert slot_data_bytes(0) == 64 * 1024
-    assert slot_data_bytes(1_000_000) >= 1_250_000 + 64 * 1024
-    assert slot_data_bytes(1_000_000) % mmap.PAGESIZE == 0
+    assert slot_data_bytes(0) == mmap.PAGESIZE  # exact fit: a batch larger than its slot overflows
+    assert slot_data_bytes(mmap.PAGESIZE) == mmap.PAGESIZE
+    assert slot_data_bytes(1_000_000) == -(-1_000_000 // mmap.PAGESIZE) * mmap.PAGESIZE
+    assert grown_slot_bytes(1_000_000) >= 1_125_000 and grown_slot_bytes(1_000_000) % mmap.PAGESIZE == 0
     g = RingGeometry(num_workers=3, num_slots=6, data_bytes=8192)
     assert g.data_offset(0) % mmap.PAGESIZE == 0
     assert g.total_bytes == g.control_bytes + 6 * (mmap.PAGESIZE + 8192)
