@@ -404,7 +404,9 @@ class RingIterator(_BaseDataLoaderIter):
 
     def _grant(self) -> None:
         """Give waiting workers their overflow memory, lowest sequence number first, while
-        ``memory_budget`` has room; the rest wait (backpressure)."""
+        ``memory_budget`` has room; the rest wait (backpressure). Under a budget with in-order
+        delivery, a batch gets memory only once every batch before it has its memory or fits a
+        slot, so the budget is never taken by a batch that cannot be delivered yet."""
         assert self._ring is not None
         table = self._table
         self._awaiting_room = False
@@ -415,6 +417,8 @@ class RingIterator(_BaseDataLoaderIter):
                 self._pool.send_memory(task.worker, slot, 0, -1)
                 continue
             size = round_up(task.needed, PAGE)
+            if self._memory_budget is not None and self._in_order and self._earlier_may_overflow(task.seq):
+                return  # granting out of order could give an undeliverable later batch the room
             if not self._room_for(task.seq, size):
                 self._awaiting_room = True
                 return
@@ -428,6 +432,16 @@ class RingIterator(_BaseDataLoaderIter):
                 self._pool.send_memory(task.worker, slot, size, fd)
             finally:
                 os.close(fd)
+
+    def _earlier_may_overflow(self, seq: int) -> bool:
+        """Whether a task of this epoch before ``seq`` is still being made without overflow
+        memory (it may yet ask for some)."""
+        table = self._table
+        return any(
+            table.state[slot] is SlotState.IN_FLIGHT and slot not in self._overflow
+            and task.epoch == table.epoch and task.seq < seq
+            for slot, task in table.tasks.items()
+        )
 
     def _room_for(self, seq: int, size: int) -> bool:
         """Whether ``memory_budget`` has room for ``size`` more bytes now; raises when it never
@@ -489,17 +503,21 @@ class RingIterator(_BaseDataLoaderIter):
             self._pool.send(wid, ("ring", -1, ring.spec))
             old.push_task(wid, RESIZE_TASK)
         waiting = set(range(self._num_workers))
-        while waiting:
+        while True:
+            self._check()  # a worker that died is replaced here, and its replacement inherits the new ring
             for wid in sorted(waiting):
                 if self._pool.procs[wid] is not procs[wid]:
-                    waiting.discard(wid)  # replaced while we waited: it inherited the new ring
+                    waiting.discard(wid)
                 elif self._pool.conns[wid].poll():
-                    reply = self._pool.conns[wid].recv()
+                    try:
+                        reply = self._pool.conns[wid].recv()
+                    except (EOFError, OSError):
+                        continue  # it died just now: replaced by the next _check()
                     assert reply == ("attached",), reply
                     waiting.discard(wid)
-            if waiting:
-                self._check()
-                yield ("conns", sorted(w for w in waiting if self._pool.procs[w] is procs[w]))
+            if not waiting:
+                break
+            yield ("conns", sorted(waiting))
         ring.unlink()
         old.close()
         if held:

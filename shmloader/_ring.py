@@ -98,6 +98,8 @@ class Ring(_Views):
         old = self.tasks[worker]
         self.tasks[worker] = _shm.create_semaphore()
         _shm.unlink_semaphore(self.tasks[worker])
+        if self._names_linked:  # a ring still being attached to (it grew): its names go now
+            _shm.unlink_semaphore(old)
         old.close()
         self.queues[worker][:] = 0
         self._tails[worker] = 0

@@ -230,3 +230,52 @@ class StatefulShards(IterableDataset):  # type: ignore[type-arg]
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.pos = state["pos"]
+
+
+class Tokens(Dataset):  # type: ignore[type-arg]
+    """Dynamic padding: sample i is (int64 tokens of a length in [8, 512], its raw text). Every
+    ``big_every``-th text is ~100 KB. ``first_small``: the first ``first_small`` samples are
+    the shortest, so the ring is sized from a small first batch."""
+
+    def __init__(self, n: int, first_small: int = 0, big_every: int = 0) -> None:
+        self.n, self.first_small, self.big_every = n, first_small, big_every
+
+    def __len__(self) -> int:
+        return self.n
+
+    def length(self, i: int) -> int:
+        return 8 if i < self.first_small else random.Random(i).randint(8, 512)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, str]:
+        n = self.length(i)
+        text_len = 100_000 if self.big_every and i % self.big_every == self.big_every - 1 else n * 5
+        return torch.arange(i, i + n, dtype=torch.int64), chr(ord("a") + i % 26) * text_len
+
+
+def pad_collate(batch: list[tuple[torch.Tensor, str]]) -> dict[str, Any]:
+    """What an NLP collate does: pad to the longest sample, a mask, and the raw strings."""
+    tokens = torch.nn.utils.rnn.pad_sequence([t for t, _ in batch], batch_first=True, padding_value=-1)
+    return {"input_ids": tokens, "attention_mask": tokens >= 0, "text": [s for _, s in batch]}
+
+
+class Detection(Dataset):  # type: ignore[type-arg]
+    """Detection-style samples: a multi-resolution image and k in [0, 50] boxes with labels."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, dict[str, Any]]:
+        g = torch.Generator().manual_seed(i)
+        k = int(torch.randint(0, 51, (1,), generator=g))
+        side = int(torch.randint(8, 97, (1,), generator=g))
+        image = torch.randint(0, 256, (3, side, side), dtype=torch.uint8, generator=g)
+        return image, {"boxes": torch.rand(k, 4, generator=g), "labels": torch.randint(0, 80, (k,), generator=g),
+                       "image_id": i}
+
+
+def zip_collate(batch: list[Any]) -> tuple[Any, ...]:
+    """torchvision's detection collate."""
+    return tuple(zip(*batch))
