@@ -279,3 +279,23 @@ class Detection(Dataset):  # type: ignore[type-arg]
 def zip_collate(batch: list[Any]) -> tuple[Any, ...]:
     """torchvision's detection collate."""
     return tuple(zip(*batch))
+
+
+class Planned(Dataset):  # type: ignore[type-arg]
+    """Batches planned one by one: ``plan`` lists (samples, length, text length, dtype); sample
+    i is {"x": ``length`` values of its batch's dtype, "text": str, "i": i}."""
+
+    def __init__(self, plan: list[tuple[int, int, int, torch.dtype]]) -> None:
+        self.items = [(length, text, dtype) for n, length, text, dtype in plan for _ in range(n)]
+        self.batches: list[list[int]] = []
+        for n, *_ in plan:
+            start = sum(len(b) for b in self.batches)
+            self.batches.append(list(range(start, start + n)))
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        length, text, dtype = self.items[i]
+        values = torch.randint(0, 100, (length,), generator=torch.Generator().manual_seed(i))
+        return {"x": values.to(dtype), "text": chr(ord("a") + i % 26) * text, "i": i}

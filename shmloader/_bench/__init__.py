@@ -17,6 +17,8 @@ import sys
 import time
 from typing import Any
 
+import torch
+
 from .loaders import LOADERS
 from .measure import Result, measure
 from .workloads import WORKLOADS
@@ -66,18 +68,24 @@ def run(args: argparse.Namespace) -> tuple[list[Result], list[str]]:
     results: list[Result] = []
     for w in workloads:
         batches = args.batches or (w.quick_batches if args.quick else w.batches)
-        n = (batches * repeats + 8) * w.batch_size
+        n = (batches if w.epochs else batches * repeats + 8) * w.batch_size
         dataset = w.make(args.cache, args.quick, args.data, n)
+        extra: dict[str, Any] = {}
+        if w.collate_fn is not None:
+            extra["collate_fn"] = w.collate_fn
+        if w.epochs:
+            extra.update(shuffle=True, persistent_workers=True)
         for ld in loaders:
             if bar is not None:
                 bar.set_description(f"{w.name} / {ld.name}")
             budget = args.memory_budget if ld.name == "shmloader" else None
 
             def make(ld: Any = ld, budget: Any = budget) -> Any:
-                return ld.make(dataset, w.batch_size, args.num_workers, args.prefetch_factor, budget)
+                seeded = {"generator": torch.Generator().manual_seed(0)} if w.epochs else {}
+                return ld.make(dataset, w.batch_size, args.num_workers, args.prefetch_factor, budget, **extra, **seeded)
 
             try:
-                r = measure(w.name, ld.name, make, batches, repeats, args.step_ms / 1e3)
+                r = measure(w.name, ld.name, make, batches, repeats, args.step_ms / 1e3, epochs=w.epochs)
             except Exception as exc:  # a peer that cannot run this workload is reported, not fatal
                 notes.append(f"{w.name} / {ld.name}: failed: {type(exc).__name__}: {exc}")
                 if bar is not None:
@@ -110,6 +118,7 @@ def table(results: list[Result]) -> str:
     head = ("| workload | loader | batches/s (median, min-max) | GB/s | vs torch | first batch s "
             "| CPU ms/batch | peak MB | loader MB |")
     rows = [head, "|" + "---|" * 9]
+    notes = []
     for r in results:
         ratio = "" if r.ratio_to_torch is None else f"{r.ratio_to_torch:.2f}x"
         budget = "" if r.within_budget is None else (" (within budget)" if r.within_budget else " (OVER budget)")
@@ -118,7 +127,10 @@ def table(results: list[Result]) -> str:
             f"| {r.gb_per_s:.2f} | {ratio} | {r.first_batch_s:.2f} | {r.cpu_ms_per_batch:.2f} "
             f"| {r.peak_mb:,.0f} | {r.loader_mb:,.0f}{budget} |"
         )
-    return "\n".join(rows)
+        if r.overflow_share is not None:
+            notes.append(f"- {r.workload} / {r.loader}: {r.overflow_share:.1%} of the batches after the first "
+                         f"epoch took the overflow path; {r.ring_growths} ring growth(s), slots of {r.slot_bytes:,} bytes")
+    return "\n".join(rows + notes)
 
 
 def report(results: list[Result]) -> str:

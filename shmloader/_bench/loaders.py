@@ -35,24 +35,26 @@ class Loader:
             return "?"
 
 
-def _shmloader(ds: Dataset, bs: int, nw: int, pf: int, budget: str | None) -> Any:  # type: ignore[type-arg]
-    return shmloader.DataLoader(ds, batch_size=bs, num_workers=nw, prefetch_factor=pf, memory_budget=budget)
+def _shmloader(ds: Dataset, bs: int, nw: int, pf: int, budget: str | None, **kw: Any) -> Any:  # type: ignore[type-arg]
+    return shmloader.DataLoader(ds, batch_size=bs, num_workers=nw, prefetch_factor=pf, memory_budget=budget, **kw)
 
 
-def _torch(ds: Dataset, bs: int, nw: int, pf: int, budget: str | None) -> Any:  # type: ignore[type-arg]
-    return torch.utils.data.DataLoader(ds, batch_size=bs, num_workers=nw, prefetch_factor=pf)
+def _torch(ds: Dataset, bs: int, nw: int, pf: int, budget: str | None, **kw: Any) -> Any:  # type: ignore[type-arg]
+    return torch.utils.data.DataLoader(ds, batch_size=bs, num_workers=nw, prefetch_factor=pf, **kw)
 
 
-def _spdl(ds: Dataset, bs: int, nw: int, pf: int, budget: str | None) -> Any:  # type: ignore[type-arg]
+def _spdl(ds: Dataset, bs: int, nw: int, pf: int, budget: str | None, **kw: Any) -> Any:  # type: ignore[type-arg]
     from spdl.dataloader import get_pytorch_dataloader
 
-    return get_pytorch_dataloader(ds, batch_size=bs, num_workers=nw, prefetch_factor=pf, in_order=True)
+    kw.pop("persistent_workers", None)  # SPDL keeps its own pipeline alive; it refuses the flag
+
+    return get_pytorch_dataloader(ds, batch_size=bs, num_workers=nw, prefetch_factor=pf, in_order=True, **kw)
 
 
-def _torchdata(ds: Dataset, bs: int, nw: int, pf: int, budget: str | None) -> Any:  # type: ignore[type-arg]
+def _torchdata(ds: Dataset, bs: int, nw: int, pf: int, budget: str | None, **kw: Any) -> Any:  # type: ignore[type-arg]
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    return StatefulDataLoader(ds, batch_size=bs, num_workers=nw, prefetch_factor=pf)
+    return StatefulDataLoader(ds, batch_size=bs, num_workers=nw, prefetch_factor=pf, **kw)
 
 
 LOADERS: dict[str, Loader] = {

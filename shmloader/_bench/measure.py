@@ -115,6 +115,9 @@ class Result:
     loader_bound: float | None = None  # shmloader: stats().loader_bound
     within_budget: bool | None = None
     skipped: str | None = None
+    overflow_share: float | None = None  # shmloader, epoch workloads: overflow batches after epoch 1 / batches
+    ring_growths: int | None = None
+    slot_bytes: int | None = None
 
 
 def measure(
@@ -124,8 +127,10 @@ def measure(
     batches: int,
     repeats: int,
     step_s: float = 0.0,
+    epochs: bool = False,
 ) -> Result:
-    """Time ``repeats`` runs of ``batches`` batches of one loader (one epoch holds them all)."""
+    """Time ``repeats`` runs of ``batches`` batches of one loader: one epoch holds them all,
+    or with ``epochs`` each run is one epoch (after a first, unmeasured one)."""
     baseline = pss_bytes([os.getpid()])
     memory = PeakMemory()
     start = time.perf_counter()
@@ -135,10 +140,16 @@ def measure(
     first_s = time.perf_counter() - start
     nbytes = batch_bytes(first)
     del first
+    if epochs:  # the rest of the first epoch: the warm-up the ring adapts in
+        for _ in it:
+            pass
+    overflow_before = loader.stats().overflow_batches if hasattr(loader, "stats") else 0
     pids = _tree(os.getpid())
     cpu0 = cpu_seconds(pids)
     rates = []
     for _ in range(repeats):
+        if epochs:
+            it = iter(loader)
         t = time.perf_counter()
         for _ in range(batches):
             batch = next(it)
@@ -167,6 +178,9 @@ def measure(
         batch_bytes=nbytes,
         ring_mb=None if ring is None else ring.geometry.total_bytes / 2**20,
         loader_bound=None if stats is None else stats.loader_bound,
+        overflow_share=None if stats is None or not epochs else (stats.overflow_batches - overflow_before) / (batches * repeats),
+        ring_growths=None if stats is None else stats.ring_growths,
+        slot_bytes=None if ring is None else ring.geometry.data_bytes,
     )
 
 

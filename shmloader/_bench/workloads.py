@@ -1,4 +1,5 @@
-"""The benchmark's workloads: transport-bound (tiny, tokens, image) and real (jpeg, memmap).
+"""The benchmark's workloads: transport-bound (tiny, tokens, image) and real (jpeg, memmap,
+varlen).
 
 Datasets are module-level classes so that every loader's workers can import them. Every
 random choice is seeded by the sample index, so runs are comparable.
@@ -74,6 +75,30 @@ class TokenWindows(Dataset):  # type: ignore[type-arg]
         return chunk[:-1], chunk[1:]
 
 
+class Sentences(Dataset):  # type: ignore[type-arg]
+    """Dynamic padding's input: sample i is (int64 token ids of a length in [8, 512], the raw
+    text they came from); the length is seeded by i, so every epoch and loader sees the same."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, str]:
+        length = int(np.random.default_rng(i).integers(8, 513))
+        return torch.arange(i, i + length, dtype=torch.int64) % 50257, "w" * (length * 5)
+
+
+def pad_collate(batch: list[tuple[torch.Tensor, str]]) -> dict[str, Any]:
+    """Pad to the longest sequence of the batch, with its mask and the raw strings."""
+    ids = torch.nn.utils.rnn.pad_sequence([t for t, _ in batch], batch_first=True, padding_value=0)
+    mask = torch.zeros(ids.shape, dtype=torch.bool)
+    for row, (t, _) in enumerate(batch):
+        mask[row, : len(t)] = True
+    return {"input_ids": ids, "attention_mask": mask, "text": [s for _, s in batch]}
+
+
 @dataclasses.dataclass(frozen=True)
 class Workload:
     name: str
@@ -82,6 +107,10 @@ class Workload:
     quick_batches: int
     make: Callable[[pathlib.Path, bool, pathlib.Path | None, int], Dataset]  # type: ignore[type-arg]
     what: str
+    collate_fn: Callable[[Any], Any] | None = None
+    # Each repeat is one epoch of a dataset this long (persistent workers, shuffled): the
+    # first epoch is the measured warm-up, as the ring adapts to the batches it sees.
+    epochs: bool = False
 
 
 def _ready(shape: tuple[int, ...], dtype: torch.dtype) -> Callable[..., Dataset]:  # type: ignore[type-arg]
@@ -145,6 +174,11 @@ WORKLOADS: dict[str, Workload] = {
             "memmap", 32, 1000, 200,
             lambda cache, quick, data, n: TokenWindows(token_file(cache, 20 if quick else 200, data), n),
             "32 random windows of 1,025 uint16 tokens via np.memmap -> (input, target) int64",
+        ),
+        Workload(
+            "varlen", 32, 300, 100, lambda cache, quick, data, n: Sentences(n),
+            "dynamic padding: 32 sequences of 8..512 int64 tokens in random order, padded, mask, raw strings",
+            collate_fn=pad_collate, epochs=True,
         ),
     ]
 }

@@ -17,10 +17,12 @@ import pytest
 import torch
 import torch.utils.data as tud
 import uvloop
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import shmloader
 from tests.conftest import raw, same
-from tests.datasets import Detection, Sized, Tokens, pad_collate, zip_collate
+from tests.datasets import Detection, Planned, Sized, Tokens, pad_collate, zip_collate
 
 JOBS: dict[str, Callable[[], dict[str, Any]]] = {
     # dynamic padding with the raw strings; the first batches are the shortest
@@ -238,3 +240,22 @@ def test_loader_killed_with_overflow_memory_out_leaves_nothing(tmp_path: Any, mo
     proc.communicate()
     assert wait_exit(workers, timeout=10) == []
     assert shm_entries_of(proc.pid) == []
+
+
+batch_plans = st.lists(
+    st.tuples(st.integers(1, 6), st.integers(0, 20_000), st.sampled_from([0, 10, 30_000]),
+              st.sampled_from([torch.uint8, torch.int64, torch.float32, torch.bool])),
+    min_size=1, max_size=10,
+)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plan=batch_plans, in_order=st.booleans())
+def test_property_random_batch_sizes_equal_torch(plan: list[tuple[int, int, int, torch.dtype]], in_order: bool) -> None:
+    dataset = Planned(plan)
+    want = list(tud.DataLoader(dataset, batch_sampler=dataset.batches))
+    got = list(shmloader.DataLoader(dataset, batch_sampler=dataset.batches, num_workers=2, in_order=in_order))
+    if in_order:
+        same(got, want)
+    else:
+        assert sorted(map(canonical, got)) == sorted(map(canonical, want))
