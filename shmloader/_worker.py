@@ -317,6 +317,7 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
     producer = _Producer(cfg)
     probe_writer = SlotWriter(None)
     pending: tuple[int, int, Outcome, Any, bytes] | None = None
+    batch: Any = None
     # Setup phase: the pipe carries the probe and the ring's spec.
     while True:
         if not conn.poll(cfg.parent_check_s):
@@ -355,7 +356,9 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
             outcome = Outcome(Status.OK if writer.fits else Status.NEED_MEMORY, needed=needed)
         if not _deliver(ring, pending_slot, cfg, writer, outcome, batch, extra, epoch, seq, mailbox, doorbell):
             return
-    del pending
+    # The probe's private copy of the first batch (the writer keeps its leaves too): not for
+    # the worker's whole life.
+    del pending, batch, probe_writer
     _serve(cfg, ring, producer, mailbox, init_error, doorbell)
 
 

@@ -173,7 +173,7 @@ def plot(results: list[Result], path: pathlib.Path) -> None:
         get = {r.workload: r for r in results if r.loader == name}
         ax1.bar(xs, [get[w].batches_per_s if w in get else 0 for w in workloads], width, label=name)
         ax2.bar(xs, [get[w].peak_mb if w in get else 0 for w in workloads], width, label=name)
-    for ax, title in ((ax1, "batches/s (log)"), (ax2, "peak memory, MB (PSS, all processes)")):
+    for ax, title in ((ax1, "batches/s (log)"), (ax2, "peak memory, MB (PSS + shared memory, all processes)")):
         ax.set_xticks([i + width * (len(loaders) - 1) / 2 for i in range(len(workloads))], workloads)
         ax.set_title(title)
     ax1.set_yscale("log")
