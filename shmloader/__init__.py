@@ -6,6 +6,8 @@ batch's journey per file (see shmloader/README.md):
     _loader.py    DataLoader facade: torch's arguments, lifecycle, async iteration
     _consume.py   main-process iterator: start-up, sync/async waits, order, errors
     _dispatch.py  sampler indices -> tasks in free slots, worker choice
+    _slots.py     slot states (free / in flight / waiting / ready / lent) and their invariant
+    _overflow.py  memory for batches larger than a slot (anonymous memfds), its accounting
     _pool.py      worker processes: start, watch, stop
     _worker.py    worker loop: fetch, collate into the slot, signal
     _collate.py   collate straight into slot memory; leaf pickling

@@ -8,7 +8,8 @@ class ShmLoaderError(RuntimeError):
 
 
 class BatchTooLargeError(ShmLoaderError, ValueError):
-    """A batch needed more bytes than a ring slot holds."""
+    """No longer raised: a batch larger than a slot takes the overflow path. Kept so that
+    code catching it keeps importing."""
 
 
 class SharedMemoryFullError(ShmLoaderError, MemoryError):
@@ -24,4 +25,5 @@ class WorkerDiedError(ShmLoaderError):
 
 
 class MemoryBudgetError(ShmLoaderError, MemoryError):
-    """``memory_budget`` cannot hold one slot per worker."""
+    """``memory_budget`` cannot hold one slot per worker, or a batch beside the ring, or the
+    batch waited for while the caller holds the memory it would need."""
