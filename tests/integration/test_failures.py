@@ -82,6 +82,11 @@ def test_loader_process_killed_workers_exit_and_nothing_is_left(tmp_path: pathli
         print(json.dumps([p.pid for p in it._pool.procs]), flush=True)
         signal.pause()
     """, context)
+    kill_and_check_nothing_is_left(proc)
+
+
+def kill_and_check_nothing_is_left(proc: subprocess.Popen[str]) -> None:
+    """Read the worker pids ``proc`` prints, SIGKILL it: its workers exit, /dev/shm holds nothing of it."""
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line:

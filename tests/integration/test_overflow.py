@@ -6,7 +6,6 @@ memory budget is never exceeded; killed workers lose nothing."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import pickle
 import random
@@ -216,7 +215,7 @@ def test_random_kills_with_overflow_in_flight(rng: random.Random, budget: int | 
 
 @pytest.mark.parametrize("moment", ["holding", "waiting"])
 def test_loader_killed_with_overflow_memory_out_leaves_nothing(tmp_path: Any, moment: str) -> None:
-    from tests.integration.test_failures import child, shm_entries_of, wait_exit
+    from tests.integration.test_failures import child, kill_and_check_nothing_is_left
 
     # "holding": the loader holds overflow batches; "waiting": a worker also waits for memory
     # that the budget cannot grant while the loader holds them.
@@ -230,16 +229,7 @@ def test_loader_killed_with_overflow_memory_out_leaves_nothing(tmp_path: Any, mo
         print(json.dumps([p.pid for p in it._pool.procs]), flush=True)
         signal.pause()
     """, moment)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line:
-        proc.wait()
-        raise AssertionError(proc.stderr.read() if proc.stderr else "no output")
-    workers = json.loads(line)
-    proc.kill()
-    proc.communicate()
-    assert wait_exit(workers, timeout=10) == []
-    assert shm_entries_of(proc.pid) == []
+    kill_and_check_nothing_is_left(proc)
 
 
 batch_plans = st.lists(
