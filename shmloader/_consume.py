@@ -42,7 +42,7 @@ from . import _checkpoint, _device
 from ._dispatch import Dispatcher
 from ._errors import CorruptSlotError, MemoryBudgetError, WorkerDiedError
 from ._budget import plan_ring
-from ._layout import DONE, IDLE, PAGE, RESIZE_TASK, C, F, RingGeometry, Status, grown_slot_bytes, round_up
+from ._layout import DONE, IDLE, PAGE, RESIZE_TASK, C, F, Region, RingGeometry, Status, grown_slot_bytes, round_up
 from ._lease import Leases, Where, copy_leaf, leaves_of, read_batch, read_extra, read_meta, slot_of
 from ._overflow import OverflowArena
 from ._pool import WorkerPool
@@ -88,6 +88,7 @@ class RingIterator(_BaseDataLoaderIter):
         self._leases = Leases(self._num_slots)
         self._arena = OverflowArena()
         self._overflow: dict[int, tuple[Any, int]] = {}  # slot -> (mapping, bytes) granted to its task
+        self._piped: dict[int, bytes] = {}  # slot -> its (batch, dataset state), pickled over the pipe
         self._grow_to: int | None = None  # a larger slot size, taken up once the ring drains
         self._growth_declined = False  # memory_budget had no room to grow; overflow carries large batches
         self._awaiting_room = False  # a grant waits for memory_budget: frees ring the doorbell
@@ -145,6 +146,9 @@ class RingIterator(_BaseDataLoaderIter):
         super()._reset(loader, first_iter)
         if not first_iter:
             self._table.new_epoch()
+            for slot in [s for s in self._overflow if self._table.state[s] is SlotState.FREE]:
+                self._drop_overflow(slot)  # ready, never delivered: the new epoch dropped it
+            self._piped = {s: p for s, p in self._piped.items() if self._table.state[s] is not SlotState.FREE}
             self._growth_declined = False
         self.dataset_states: dict[int, bytes] = {}  # worker -> state after its last delivered batch
         self.last_worker: int | None = None  # worker of the last delivered batch
@@ -378,8 +382,17 @@ class RingIterator(_BaseDataLoaderIter):
                     self._pool.send_memory(wid, slot, 0, -1)  # a stale epoch's batch: drop it
                 else:
                     self._want_growth(needed)
-            elif table.done(slot) is None:
-                self._drop_overflow(slot)
+            else:
+                payload = None
+                if int(hdr[F.REGION]) == Region.PIPE:
+                    try:  # the worker sends it after publishing: read it now, in the pipe's order
+                        payload = self._pool.conns[table.tasks[slot].worker].recv_bytes()
+                    except (EOFError, OSError):
+                        continue  # it died mid-send: its tasks are dispatched again
+                if table.done(slot) is None:
+                    self._drop_overflow(slot)
+                elif payload is not None:
+                    self._piped[slot] = payload
             tokens -= 1
             if not tokens:
                 break
@@ -419,7 +432,13 @@ class RingIterator(_BaseDataLoaderIter):
             size = round_up(task.needed, PAGE)
             if self._memory_budget is not None and self._in_order and self._earlier_may_overflow(task.seq):
                 return  # granting out of order could give an undeliverable later batch the room
-            if not self._room_for(task.seq, size):
+            room = self._room_for(task.seq, size)
+            if room is None:  # only the batches the caller holds could make room: a copy, not a hang
+                self._ring.headers[slot][F.STATE] = IDLE
+                table.granted(slot)
+                self._pool.send_memory(task.worker, slot, -1)
+                continue
+            if not room:
                 self._awaiting_room = True
                 return
             fd, mm = self._arena.allocate(size)
@@ -443,10 +462,11 @@ class RingIterator(_BaseDataLoaderIter):
             for slot, task in table.tasks.items()
         )
 
-    def _room_for(self, seq: int, size: int) -> bool:
-        """Whether ``memory_budget`` has room for ``size`` more bytes now; raises when it never
-        will (the batch is larger than the budget leaves beside the ring) or when only the
-        caller could make room (the batches it holds) while it waits for this very batch."""
+    def _room_for(self, seq: int, size: int) -> bool | None:
+        """Whether ``memory_budget`` has room for ``size`` more bytes now. None when it has not
+        and only the caller could make room (the batches it holds) while it waits for this very
+        batch: that batch then comes as a pickled copy. Raises when it never will have room
+        (the batch is larger than the budget leaves beside the ring)."""
         budget = self._memory_budget
         if budget is None:
             return True
@@ -461,17 +481,15 @@ class RingIterator(_BaseDataLoaderIter):
         if g.total_bytes + self._arena.in_use + size <= budget:
             return True
         table = self._table
-        wanted_next = seq == self._rcvd_seq if self._in_order else (
-            not table.ready and not table.count(SlotState.IN_FLIGHT) and not (table.free and not self._sampler_done)
-        )
-        if wanted_next and not self._overflow:
-            raise MemoryBudgetError(
-                f"batch {seq} needs {size:,} bytes of overflow memory but memory_budget={budget:,} has "
-                f"{budget - g.total_bytes - self._arena.in_use:,} free: the ring takes {g.total_bytes:,} and "
-                f"batches still held take {self._arena.in_use:,}. Drop (or loader.release()) earlier "
-                "batches before asking for the next, or raise memory_budget."
-            )
-        return False
+        if self._in_order:
+            wanted_next = seq == self._rcvd_seq
+        else:  # nothing else can arrive: a worker that waits for memory makes no other batch
+            blocked = {table.tasks[s].worker for s in table.waiting()}
+            unblocked = any(w not in blocked for w in range(self._num_workers))
+            moving = any(table.state[s] is SlotState.IN_FLIGHT and t.worker not in blocked for s, t in table.tasks.items())
+            can_dispatch = table.free and not self._sampler_done and self._grow_to is None and unblocked
+            wanted_next = not table.ready and not moving and not can_dispatch
+        return None if wanted_next and not self._overflow and self._stager is None else False
 
     def _overflow_where(self, slot: int) -> Where | None:
         granted = self._overflow.get(slot)
@@ -583,6 +601,15 @@ class RingIterator(_BaseDataLoaderIter):
 
     def _deliver(self, slot: int) -> Any:
         assert self._ring is not None
+        piped = self._piped.pop(slot, None)
+        if piped is not None:
+            self._table.give_back(slot)
+            batch, state = pickle.loads(piped)
+            if self._iterable:
+                self._delivered((int(self._ring.headers[slot][F.WORKER]), state))
+            self._counters.batches += 1
+            self._counters.copies += 1
+            return batch
         self._delivered(self._note(slot))
         where = self._overflow_where(slot)
         if where is not None:

@@ -25,5 +25,4 @@ class WorkerDiedError(ShmLoaderError):
 
 
 class MemoryBudgetError(ShmLoaderError, MemoryError):
-    """``memory_budget`` cannot hold one slot per worker, or a batch beside the ring, or the
-    batch waited for while the caller holds the memory it would need."""
+    """``memory_budget`` cannot hold one slot per worker, or one batch beside the ring."""

@@ -82,6 +82,7 @@ class Status(enum.IntEnum):
 class Region(enum.IntEnum):
     SLOT = 0  # the slot's own data region
     OVERFLOW = 1  # the overflow memory the consumer granted for this task (see _overflow.py)
+    PIPE = 2  # pickled over the worker's connection: memory_budget had no room while the caller held it
 
 
 class Kind(enum.IntEnum):

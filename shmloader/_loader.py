@@ -47,10 +47,11 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             the loader may use: the ring plus the overflow memory of batches that do not fit a
             slot. The ring is sized to fit with room beside it for one overflow batch (fewer
             slots first, down to one per worker); a worker whose oversized batch finds no room
-            waits until held batches are dropped. ``MemoryBudgetError`` when one slot per worker
-            cannot hold a batch, when one batch is larger than the budget leaves beside the
-            ring, or when only the batches the caller holds could make room for the batch it
-            waits for. It bounds shared memory, not the workers' own Python and dataset memory.
+            waits until held batches are dropped; when only the batches the caller holds could
+            make room for the batch it waits for, that batch comes as a pickled copy.
+            ``MemoryBudgetError`` when one slot per worker cannot hold a batch, or when one
+            batch is larger than the budget leaves beside the ring. It bounds shared memory,
+            not the workers' own Python and dataset memory.
         max_worker_restarts: how many dead workers (SIGKILL, OOM killer, a crash in C) the
             loader replaces over its lifetime, dispatching their tasks again so every batch
             still arrives exactly once and in order; one more death raises

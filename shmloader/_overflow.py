@@ -6,7 +6,10 @@ The path of an oversized batch:
    ``Status.NEED_MEMORY`` and the bytes it needs, and waits on its setup connection;
 2. the consumer grants the memory when ``memory_budget`` has room (until then the worker
    waits: backpressure): an anonymous ``memfd`` of that size, reserved with
-   ``posix_fallocate`` and mapped here, whose fd goes to the worker over its connection;
+   ``posix_fallocate`` and mapped here, whose fd goes to the worker over its connection.
+   (When only batches the consumer holds could make room for the batch it waits for, the
+   worker is asked to send that batch pickled over the connection instead: a copy, not a
+   hang, as a slot's batch is copied when the consumer holds the whole ring.);
 3. the worker maps it, writes the batch exactly as into a slot (leaves, skeleton, leaf
    table, dataset state), unmaps it and publishes the slot again, now with
    ``F.REGION = Region.OVERFLOW``;

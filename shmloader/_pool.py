@@ -81,10 +81,11 @@ class WorkerPool:
         child_end.close()
         self.procs[wid] = proc
 
-    def send_memory(self, wid: int, slot: int, size: int, fd: int) -> None:
-        """Hand overflow memory (``size`` bytes at ``fd``; 0 and -1: drop the batch) to ``wid``."""
+    def send_memory(self, wid: int, slot: int, size: int, fd: int = -1) -> None:
+        """Answer ``wid``'s request for overflow memory: ``size`` bytes at ``fd``; 0: drop the
+        batch; -1: send it pickled over the connection instead."""
         self.send(wid, ("memory", slot, size))
-        if size:
+        if size > 0:
             reduction.send_handle(self.conns[wid], fd, self.procs[wid].pid)
 
     def send(self, wid: int, msg: tuple[Any, ...]) -> None:

@@ -9,8 +9,9 @@ semaphore and rings the doorbell (an eventfd the main process's event loop watch
 
 A batch that does not fit its slot takes the overflow path (see ``_overflow.py``): the
 worker publishes the slot as ``NEED_MEMORY`` and waits on its setup connection for the
-memory (an fd) or a "drop", writes the batch there and publishes again. When the ring
-grows, a resize task makes it attach to the new ring the connection carries.
+memory (an fd), a "drop", or (no room in memory_budget while the consumer holds it) a
+request to send the batch pickled over the connection; then it publishes again. When the
+ring grows, a resize task makes it attach to the new ring the connection carries.
 
 It exits on a stop task, or within a second of its parent's death. It ignores
 SIGINT: Ctrl-C is the main process's to handle, and the main process stops it.
@@ -272,7 +273,7 @@ class Mailbox:
             if msg[0] == "stop":
                 return None
             if msg[0] == "memory":
-                msg = (*msg, reduction.recv_handle(self.conn) if msg[2] else -1)
+                msg = (*msg, reduction.recv_handle(self.conn) if msg[2] > 0 else -1)
             self._kept[(msg[0], msg[1])] = msg
         return self._kept.pop((kind, slot))
 
@@ -292,6 +293,16 @@ def _deliver(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWrite
     _, _, size, fd = reply
     if not size:
         return True  # the consumer no longer wants this batch (a new epoch began)
+    if size < 0:  # no room in memory_budget while the consumer holds it: a pickled copy
+        try:
+            payload = pickle.dumps((batch, extra), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:
+            error = Outcome(Status.ERROR, error=_wrap(where=f"in DataLoader worker process {cfg.worker_id}"))
+            _publish(ring, slot, cfg, writer, error, epoch, seq, doorbell)
+            return True
+        _publish(ring, slot, cfg, writer, Outcome(Status.OK, needed=len(payload)), epoch, seq, doorbell, Region.PIPE)
+        mailbox.conn.send_bytes(payload)  # after publishing: the consumer reads as we write
+        return True
     try:
         mm = mmap.mmap(fd, size)
     finally:

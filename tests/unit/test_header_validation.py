@@ -43,6 +43,7 @@ def test_a_valid_slot_reads() -> None:
         (F.META_OFF, (1 << 16) - 2, "skeleton .* lies outside"),
         (F.META_LEN, -1, "skeleton .* lies outside"),
         (F.TABLE_LEN, 4, "outside buffer|leaf table"),
+        (F.REGION, 1, "header says region 1, expected SLOT"),  # overflow memory nobody granted
     ],
 )
 def test_corrupt_header_fields(field: int, value: int, message: str) -> None:
