@@ -17,6 +17,7 @@ $(VENV)/.installed: pyproject.toml setup.py native/_native.c
 
 typecheck: $(VENV)/.installed
 	$(PY) -m mypy
+	$(PY) -m mypy --strict tests/typed/user_module.py
 
 test: typecheck
 	$(PY) -m pytest

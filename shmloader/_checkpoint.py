@@ -91,7 +91,7 @@ def make_state(start: EpochStart | None, it: Any, generator: torch.Generator | N
             ended = bool(getattr(getattr(it, "_dataset_fetcher", None), "ended", False))
             iterable = {"dataset_states": {0: pickle.dumps({"ended": ended, "state": dataset.state_dict()})},
                         "last_worker": None, "active": [True]}
-    yielded = int(it._num_yielded)
+    yielded = int(it._num_yielded) + int(getattr(it, "_failed_batches", 0))  # a batch that raised is consumed too
     try:
         finished = yielded >= len(it)
     except TypeError:  # an IterableDataset without __len__

@@ -96,7 +96,10 @@ class RingIterator(_BaseDataLoaderIter):
         self._device: torch.device | None = loader._shm_device
         self._device_prefetch: int = loader.device_prefetch
         self._stager: _device.DeviceStager | None = None  # made with the ring, after the fork
-        self._pending_error: Exception | None = None
+        self._pending_error: Exception | None = None  # a batch's error, raised after the batches staged before it
+        self._raising_batch_error = False  # the exception on its way out is one batch's: the loader goes on
+        self._failed_batches = 0  # batches of this epoch that raised instead (a checkpoint counts them consumed)
+        self._fatal: BaseException | None = None  # what stopped the workers before the epoch ended
         resume: _checkpoint.IterableResume | None = loader._shm_resume_iterable
         ctx = loader.multiprocessing_context or torch.multiprocessing
         self._start_method: str = ctx.get_start_method()
@@ -144,6 +147,7 @@ class RingIterator(_BaseDataLoaderIter):
     # ---------------------------------------------------------------- epochs
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)
+        self._failed_batches = 0
         if not first_iter:
             self._table.new_epoch()
             for slot in [s for s in self._overflow if self._table.state[s] is SlotState.FREE]:
@@ -169,8 +173,14 @@ class RingIterator(_BaseDataLoaderIter):
             return self._pop_staged()  # batches staged before an error or shutdown come first
         if self._pending_error is not None:
             error, self._pending_error = self._pending_error, None
+            self._raising_batch_error = True
             raise error
         if self._shutdown:
+            if self._fatal is not None:  # never a silent end of the epoch
+                raise RuntimeError(
+                    f"this DataLoader iterator stopped after an earlier error ({type(self._fatal).__name__}: "
+                    f"{self._fatal}); start a new epoch with iter(loader)"
+                ) from self._fatal
             return _END
         self._deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
         if not self._started and not self._sampler_done:
@@ -200,8 +210,9 @@ class RingIterator(_BaseDataLoaderIter):
                             self._counters.overflow_batches += where is not None
                             self._counters.bytes += stager.stage(self._ring, slot, self._note(slot), where)
                     except Exception as error:
-                        if not stager.staged:
+                        if not stager.staged or not self._raising_batch_error:
                             raise
+                        self._raising_batch_error = False
                         self._pending_error = error  # raised in its turn, after the staged batches
                     if stager.staged:
                         return self._pop_staged()
@@ -244,7 +255,11 @@ class RingIterator(_BaseDataLoaderIter):
             if status == Status.STOP:
                 self._dispatcher.active[wid] = False
                 self._rcvd_seq = seq + 1  # only exhausted shards came before
-            elif status == Status.ERROR:
+            elif status == Status.ERROR:  # the first batch's own error: raised, and the next one is probed
+                self._rcvd_seq = seq + 1
+                self._batch_failed()
+                error.reraise()
+            elif status == Status.INIT_ERROR:
                 self._shutdown_workers()
                 error.reraise()
             else:
@@ -570,14 +585,23 @@ class RingIterator(_BaseDataLoaderIter):
         return None
 
     def _fail(self, slot: int, status: int) -> None:
+        """Raise the result of ``slot``: a batch's error (the loader goes on, as torch's does), or
+        one that ends the loader (worker_init_fn failed, an unknown status)."""
         assert self._ring is not None
         self._drop_overflow(slot)
-        if status == Status.ERROR:
+        if status == Status.ERROR or status == Status.INIT_ERROR:
             error = pickle.loads(read_meta(self._ring, slot))
-            self._shutdown_workers()
+            if status == Status.ERROR:
+                self._batch_failed()
+            else:
+                self._shutdown_workers()
             error.reraise()
         self._shutdown_workers()
         raise CorruptSlotError(f"slot {slot}: unknown result status {status}")
+
+    def _batch_failed(self) -> None:
+        self._raising_batch_error = True
+        self._failed_batches += 1
 
     def _pop_staged(self) -> Any:
         assert self._stager is not None
@@ -677,8 +701,8 @@ class RingIterator(_BaseDataLoaderIter):
                 request = next(steps)
         except StopIteration as stop:
             result = stop.value
-        except BaseException:
-            self._shutdown_workers()
+        except BaseException as exc:
+            self._failed(exc)
             raise
         finally:
             self._counters.returned(asked)
@@ -686,6 +710,16 @@ class RingIterator(_BaseDataLoaderIter):
             self._counters.epoch_ended()
             raise StopIteration
         return result
+
+    def _failed(self, exc: BaseException) -> None:
+        """``exc`` leaves ``next()``: one batch's error leaves the loader running; anything else
+        stops the workers, and later ``next()`` calls say why."""
+        if self._raising_batch_error:
+            self._raising_batch_error = False
+            return
+        if self._fatal is None:
+            self._fatal = exc
+        self._shutdown_workers()
 
     def _block(self, request: tuple[Any, ...]) -> None:
         if request is _READY:
@@ -717,8 +751,8 @@ class RingIterator(_BaseDataLoaderIter):
             if not self._started:  # cancelled mid start-up: the handshake cannot resume
                 self._shutdown_workers()
             raise
-        except BaseException:
-            self._shutdown_workers()
+        except BaseException as exc:
+            self._failed(exc)
             raise
         finally:
             self._counters.returned(asked)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pickle
 import weakref
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, TypeVar
 
 import torch
 import torch.utils.data
@@ -22,7 +22,10 @@ from ._consume import RingIterator
 from ._stats import Counters, LoaderStats
 
 
-class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
+T_co = TypeVar("T_co", covariant=True)
+
+
+class DataLoader(torch.utils.data.DataLoader[T_co]):
     """A drop-in ``torch.utils.data.DataLoader`` whose workers write batches into
     preallocated shared-memory slots.
 
@@ -125,6 +128,18 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         self._shm_resume: dict[str, Any] | None = None
         self._shm_resume_seed: tuple[int, torch.Tensor] | None = None  # read by RingIterator
         self._shm_resume_iterable: _checkpoint.IterableResume | None = None  # read by RingIterator
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle and deepcopy as torch's loader does: every setting; a live iterator refuses
+        (as torch's does), and the weak references to this loader's iterators are not data."""
+        state = self.__dict__.copy()
+        state["_shm_iterators"] = None
+        state["_shm_current"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._shm_iterators = weakref.WeakSet()
 
     def _get_iterator(self) -> Any:
         if self.num_workers == 0:

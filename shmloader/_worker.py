@@ -192,7 +192,7 @@ def _publish(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWrite
         hdr[F.META_LEN] = writer.meta_len
         hdr[F.EXTRA_OFF] = writer.extra_off
         hdr[F.EXTRA_LEN] = writer.extra_len
-    elif outcome.status is Status.ERROR:
+    elif outcome.status is Status.ERROR or outcome.status is Status.INIT_ERROR:
         _write_error(ring, slot, hdr, outcome.error)
     hdr[F.STATE] = DONE
     ring.ready.release()  # a full barrier: every write above is visible once this is
@@ -341,7 +341,7 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
         if msg[0] == "probe":
             _, epoch, seq, index = msg
             if init_error is not None:
-                outcome, batch = Outcome(Status.ERROR, error=init_error), None
+                outcome, batch = Outcome(Status.INIT_ERROR, error=init_error), None
                 init_error = None
             else:
                 probe_writer.begin(0, 0)
@@ -434,7 +434,7 @@ def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: _Producer, mailbox: 
         writer.begin(start, geometry.data_bytes)
         batch = None
         if init_error is not None:
-            outcome, init_error = Outcome(Status.ERROR, error=init_error), None
+            outcome, init_error = Outcome(Status.INIT_ERROR, error=init_error), None
         else:
             outcome, batch = producer.produce(epoch, index, writer, fn_map)
         ring.counters[cfg.worker_id][C.BUSY_NS] += time.monotonic_ns() - began

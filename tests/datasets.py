@@ -299,3 +299,33 @@ class Planned(Dataset):  # type: ignore[type-arg]
         length, text, dtype = self.items[i]
         values = torch.randint(0, 100, (length,), generator=torch.Generator().manual_seed(i))
         return {"x": values.to(dtype), "text": chr(ord("a") + i % 26) * text, "i": i}
+
+
+class BadSamples(Dataset):  # type: ignore[type-arg]
+    """Sample i is tensor([i]); the samples in ``bad`` raise ValueError."""
+
+    def __init__(self, n: int, bad: tuple[int, ...]) -> None:
+        self.n, self.bad = n, bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i in self.bad:
+            raise ValueError(f"sample {i} is broken")
+        return torch.tensor([i])
+
+
+class Augmented(Dataset):  # type: ignore[type-arg]
+    """Random augmentation from the worker's three RNGs: torch, numpy and random."""
+
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        image = torch.full((3, 8, 8), float(i))
+        top, left = random.randint(0, 4), int(np.random.randint(0, 4))
+        crop = image[:, top : top + 4, left : left + 4]
+        if torch.rand(1).item() < 0.5:
+            crop = crop.flip(-1)
+        return {"image": crop + torch.rand(3, 4, 4), "noise": np.random.rand(2), "coin": random.random()}

@@ -65,3 +65,23 @@ def test_lightning_update_dataloader_keeps_shmloader() -> None:
         assert (new.slot_bytes, new.max_worker_restarts, new.num_workers) == (1 << 16, 5, 2)
         shards.append(sorted(int(v) for b in new for v in b.flatten()))
     assert not set(shards[0]) & set(shards[1]) and sorted(shards[0] + shards[1]) == list(range(40))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="lightning is not installed")
+def test_lightning_ddp_spawn_fits_from_a_shmloader_loader(tmp_path: Any) -> None:
+    # ddp_spawn pickles the loader into each rank (it could not be pickled before): each rank
+    # re-creates it with a DistributedSampler and every batch comes through its ring.
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "lightning_ddp_spawn.py"
+    report = tmp_path / "rank"
+    done = subprocess.run([sys.executable, str(script), str(report)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank.{r}").read_text()) for r in (0, 1)]
+    for rank in ranks:
+        assert rank["class"] == "shmloader._loader.DataLoader" and rank["ring_batches"] == 8
+    assert not set(ranks[0]["seen"]) & set(ranks[1]["seen"])
+    assert sorted(ranks[0]["seen"] + ranks[1]["seen"]) == list(range(64))

@@ -55,7 +55,7 @@ def test_holding_every_batch_never_deadlocks_and_copies() -> None:
     assert it.holding() <= 3
 
 
-def test_a_worker_exception_keeps_its_type_and_traceback_and_stops_the_loader() -> None:
+def test_a_worker_exception_keeps_its_type_and_traceback_and_the_loader_goes_on() -> None:
     loader = shmloader.DataLoader(Failing(40, bad=13), batch_size=4, num_workers=2)
     it = iter(loader)
     with pytest.raises(ValueError) as info:
@@ -64,6 +64,8 @@ def test_a_worker_exception_keeps_its_type_and_traceback_and_stops_the_loader() 
     text = str(info.value)
     assert "Caught ValueError in DataLoader worker process" in text
     assert "sample 13 is broken" in text and "Traceback" in text and "__getitem__" in text
+    assert not it.shut_down  # as torch's: the next next() goes on with the following batch
+    assert [b.flatten().tolist() for b in it] == [list(range(i, i + 4)) for i in range(16, 40, 4)]
     assert it.shut_down and all(p.exitcode is not None for p in it._pool.procs)
 
 

@@ -1,0 +1,159 @@
+"""torch's error semantics, measured against torch's DataLoader on the same jobs: a batch's
+exception is raised for that batch and the next ``next()`` goes on with the following one
+(a loop that catches errors loses no data); what makes going on impossible ends the
+loader, and every later ``next()`` says why."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import re
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.data as tud
+
+import shmloader
+from tests.datasets import BadSamples
+
+BAD = (3, 17, 18, 40, 63)  # 17 and 18 fall in one batch of 4
+
+
+def outcomes(loader: Any, epochs: int = 1) -> list[list[tuple[str, Any]]]:
+    """Per epoch: ("batch", values) or ("error", type, first line, last line), in order."""
+    out = []
+    for _ in range(epochs):
+        it = iter(loader)
+        epoch: list[tuple[str, Any]] = []
+        while True:
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            except Exception as exc:
+                lines = str(exc).splitlines()
+                epoch.append(("error", (type(exc).__name__, lines[0], lines[-1])))
+            else:
+                epoch.append(("batch", batch.flatten().tolist()))
+        out.append(epoch)
+    return out
+
+
+async def async_outcomes(loader: Any) -> list[tuple[str, Any]]:
+    it = aiter(loader)
+    epoch: list[tuple[str, Any]] = []
+    while True:
+        try:
+            batch = await anext(it)
+        except StopAsyncIteration:
+            return epoch
+        except Exception as exc:
+            lines = str(exc).splitlines()
+            epoch.append(("error", (type(exc).__name__, lines[0], lines[-1])))
+        else:
+            epoch.append(("batch", batch.flatten().tolist()))
+
+
+def unordered(epochs: list[list[tuple[str, Any]]]) -> list[list[str]]:
+    """Each epoch as a multiset. With in_order=False torch sends a task to whichever worker has
+    room, so which worker raised depends on timing (in torch too): that number is left out."""
+    return [sorted(re.sub(r"worker process \d+", "worker process N", repr(o)) for o in epoch) for epoch in epochs]
+
+
+def job(shuffle: bool, **kw: Any) -> dict[str, Any]:
+    return dict(dataset=BadSamples(80, BAD), batch_size=4, shuffle=shuffle,
+                generator=torch.Generator().manual_seed(5) if shuffle else None, **kw)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("in_order", [True, False])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_caught_errors_lose_no_batch_like_torch(shuffle: bool, in_order: bool, workers: int, persistent: bool) -> None:
+    kw = dict(num_workers=workers, persistent_workers=persistent, in_order=in_order)
+    want = outcomes(tud.DataLoader(**job(shuffle, **kw)), epochs=2)
+    got = outcomes(shmloader.DataLoader(**job(shuffle, **kw)), epochs=2)
+    assert sum(kind == "error" for kind, _ in want[0]) == 4 and len(want[0]) == 20
+    if in_order:
+        assert got == want
+    else:
+        assert unordered(got) == unordered(want)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_caught_errors_lose_no_batch_under_spawn(persistent: bool) -> None:
+    kw = dict(num_workers=2, persistent_workers=persistent, multiprocessing_context="spawn")
+    assert outcomes(shmloader.DataLoader(**job(True, **kw))) == outcomes(tud.DataLoader(**job(True, **kw)))
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_caught_errors_lose_no_batch_async(in_order: bool) -> None:
+    kw = dict(num_workers=2, in_order=in_order)
+    want = outcomes(tud.DataLoader(**job(True, **kw)))
+    got = [asyncio.run(async_outcomes(shmloader.DataLoader(**job(True, **kw))))]
+    assert (got if in_order else unordered(got)) == (want if in_order else unordered(want))
+
+
+def test_an_error_in_the_first_batch_then_the_rest() -> None:
+    kw = dict(num_workers=2)
+    loader = shmloader.DataLoader(BadSamples(12, (0,)), batch_size=2, **kw)
+    assert outcomes(loader) == outcomes(tud.DataLoader(BadSamples(12, (0,)), batch_size=2, **kw))
+
+
+def test_a_collate_error_is_one_batch_too() -> None:
+    def collate(batch: list[torch.Tensor]) -> torch.Tensor:
+        if int(batch[0]) == 8:
+            raise KeyError("no collate for 8")
+        return torch.cat(batch)
+
+    kw: dict[str, Any] = dict(batch_size=4, num_workers=2, collate_fn=collate)
+    assert outcomes(shmloader.DataLoader(BadSamples(20, ()), **kw)) == outcomes(tud.DataLoader(BadSamples(20, ()), **kw))
+
+
+def test_checkpoint_after_a_caught_error_resumes_exactly() -> None:
+    def make() -> shmloader.DataLoader:
+        return shmloader.DataLoader(**job(True, num_workers=2))
+
+    whole = outcomes(make())[0]
+    loader = make()
+    it = iter(loader)
+    seen: list[tuple[str, Any]] = []
+    while len(seen) < 8:  # past the first error (batch of sample 3) and a few more
+        try:
+            seen.append(("batch", next(it).flatten().tolist()))
+        except ValueError as exc:
+            lines = str(exc).splitlines()
+            seen.append(("error", (type(exc).__name__, lines[0], lines[-1])))
+    assert any(kind == "error" for kind, _ in seen)
+    state = pickle.loads(pickle.dumps(loader.state_dict()))
+    del it
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert seen + outcomes(resumed)[0] == whole
+
+
+def test_worker_init_fn_failure_ends_the_loader_and_later_calls_say_why() -> None:
+    def init(worker_id: int) -> None:
+        raise OSError(f"init {worker_id} failed")
+
+    it = iter(shmloader.DataLoader(BadSamples(20, ()), batch_size=2, num_workers=2, worker_init_fn=init))
+    with pytest.raises(OSError, match="init 0 failed"):
+        next(it)
+    with pytest.raises(RuntimeError, match=r"stopped after an earlier error \(OSError: Caught OSError in DataLoader worker process 0"):
+        next(it)
+
+
+def test_a_death_beyond_max_worker_restarts_ends_the_epoch_with_a_reason() -> None:
+    import os
+    import signal
+
+    loader = shmloader.DataLoader(BadSamples(400, ()), batch_size=2, num_workers=2, max_worker_restarts=0)
+    it = iter(loader)
+    next(it)
+    os.kill(it._pool.procs[0].pid, signal.SIGKILL)  # type: ignore[attr-defined]
+    with pytest.raises(shmloader.WorkerDiedError):
+        for _ in it:
+            pass
+    with pytest.raises(RuntimeError, match="stopped after an earlier error \\(WorkerDiedError"):
+        next(it)
