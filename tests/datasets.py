@@ -329,3 +329,25 @@ class Augmented(Dataset):  # type: ignore[type-arg]
         if torch.rand(1).item() < 0.5:
             crop = crop.flip(-1)
         return {"image": crop + torch.rand(3, 4, 4), "noise": np.random.rand(2), "coin": random.random()}
+
+
+class BadStream(IterableDataset):  # type: ignore[type-arg]
+    """Each worker's shard of range(n) (torch's recipe), raising ValueError at the items in ``bad``."""
+
+    def __init__(self, n: int, bad: tuple[int, ...]) -> None:
+        self.n, self.bad = n, bad
+
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        ids = range(self.n) if info is None else range(info.id, self.n, info.num_workers)
+        for i in ids:
+            if i in self.bad:
+                raise ValueError(f"item {i} is broken")
+            yield torch.tensor([i])
+
+
+class BadBatches(BadSamples):
+    """BadSamples fetched a batch at a time through ``__getitems__``."""
+
+    def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
+        return [self[i] for i in indices]

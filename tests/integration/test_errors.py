@@ -15,7 +15,7 @@ import torch
 import torch.utils.data as tud
 
 import shmloader
-from tests.datasets import BadSamples
+from tests.datasets import BadBatches, BadSamples, BadStream
 
 BAD = (3, 17, 18, 40, 63)  # 17 and 18 fall in one batch of 4
 
@@ -157,3 +157,18 @@ def test_a_death_beyond_max_worker_restarts_ends_the_epoch_with_a_reason() -> No
             pass
     with pytest.raises(RuntimeError, match="stopped after an earlier error \\(WorkerDiedError"):
         next(it)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_an_iterable_datasets_error_like_torch(workers: int) -> None:
+    kw: dict[str, Any] = dict(batch_size=3, num_workers=workers)
+    want = outcomes(tud.DataLoader(BadStream(40, (7, 30)), **kw), epochs=2)
+    assert [kind for kind, _ in want[0]].count("error") == 2
+    assert outcomes(shmloader.DataLoader(BadStream(40, (7, 30)), **kw), epochs=2) == want
+
+
+def test_a_getitems_error_like_torch() -> None:
+    kw: dict[str, Any] = dict(batch_size=4, num_workers=2)
+    want = outcomes(tud.DataLoader(BadBatches(40, (5, 22)), **kw))
+    assert [kind for kind, _ in want[0]].count("error") == 2
+    assert outcomes(shmloader.DataLoader(BadBatches(40, (5, 22)), **kw)) == want
