@@ -203,17 +203,53 @@ def _publish(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWrite
 
 
 def _write_error(ring: AttachedRing, slot: int, hdr: Any, error: ExceptionWrapper | None) -> None:
-    """Pickle the worker's exception into the slot, trimming its traceback to fit."""
+    """Pickle the worker's exception into the slot: never past the slot's data region."""
     assert error is not None
     cap = ring.geometry.data_bytes
-    payload = pickle.dumps(error)
-    if len(payload) > cap:
-        error.exc_msg = "(traceback trimmed to fit the slot) ..." + error.exc_msg[-(cap // 4):]
-        payload = pickle.dumps(error)
+    payload = fit_error(error, cap)
     start = ring.geometry.data_offset(slot)
     ring.bytes[start : start + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
     hdr[F.META_OFF] = 0
     hdr[F.META_LEN] = len(payload)
+
+
+CUT = "\n[... {} characters of the traceback cut so that the error fits its ring slot ...]\n"
+
+
+def picklable(error: ExceptionWrapper) -> ExceptionWrapper:
+    """``error``, made to pickle: an exception class that cannot be pickled (one defined inside
+    a function) travels as a RuntimeError whose message names it."""
+    try:
+        pickle.dumps(error.exc_type)
+    except Exception:
+        name = f"{error.exc_type.__module__}.{error.exc_type.__qualname__}"
+        error.where = f"(raised as {name}, which cannot be pickled) {error.where}"
+        error.exc_type = RuntimeError  # the traceback text still ends with the original type and message
+    return error
+
+
+def fit_error(error: ExceptionWrapper, cap: int) -> bytes:
+    """``error`` pickled (see ``picklable``) in at most ``cap`` bytes. A traceback too long
+    for the slot is cut from the middle: its first line (which worker) and its end (the
+    exception's type and message) stay, and the cut says so; sizes are counted in encoded
+    bytes, not characters."""
+    payload = pickle.dumps(picklable(error))
+    if len(payload) <= cap:
+        return payload
+    text = error.exc_msg
+    keep = len(text)
+    while keep > 0:
+        keep = min(keep - 1, keep * (cap - 256) // max(1, len(payload)))  # shrink at least one character
+        head = text[: keep // 4]
+        tail = text[len(text) - (keep - keep // 4) :] if keep else ""
+        error.exc_msg = head + CUT.format(len(text) - keep) + tail
+        payload = pickle.dumps(error)
+        if len(payload) <= cap:
+            return payload
+    error.exc_msg = CUT.format(len(text))
+    payload = pickle.dumps(error)
+    assert len(payload) <= cap, (len(payload), cap)  # a slot holds at least a page
+    return payload
 
 
 class ParentWatch:
@@ -349,7 +385,8 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
                 if outcome.status is Status.NEED_MEMORY:
                     outcome = Outcome(Status.PROBED, needed=outcome.needed)
             pending = (epoch, seq, outcome, batch, producer.extra)
-            conn.send(("probed", int(outcome.status), outcome.needed, outcome.error))
+            conn.send(("probed", int(outcome.status), outcome.needed,
+                       None if outcome.error is None else picklable(outcome.error)))
             continue
         spec: RingSpec = msg[1]
         pending_slot: int = msg[2]

@@ -351,3 +351,25 @@ class BadBatches(BadSamples):
 
     def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
         return [self[i] for i in indices]
+
+
+def _local_error_class() -> type[Exception]:
+    class DiskOnFire(Exception):  # defined inside a function: pickle cannot find it by name
+        pass
+
+    return DiskOnFire
+
+
+class RaisesUnpicklable(Dataset):  # type: ignore[type-arg]
+    """Sample ``bad`` raises an exception whose class cannot be pickled."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        self.n, self.bad = n, bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.bad:
+            raise _local_error_class()(f"sample {i}: disk on fire")
+        return torch.tensor([i])

@@ -173,3 +173,16 @@ def test_a_getitems_error_like_torch() -> None:
     want = outcomes(tud.DataLoader(BadBatches(40, (5, 22)), **kw))
     assert [kind for kind, _ in want[0]].count("error") == 2
     assert outcomes(shmloader.DataLoader(BadBatches(40, (5, 22)), **kw)) == want
+
+
+@pytest.mark.parametrize("bad", [0, 9])  # the first batch (the probe) and a later one
+def test_an_unpicklable_exception_arrives_as_text_naming_its_type(bad: int) -> None:
+    from tests.datasets import RaisesUnpicklable
+
+    got = outcomes(shmloader.DataLoader(RaisesUnpicklable(20, bad), batch_size=2, num_workers=2))[0]
+    errors = [detail for kind, detail in got if kind == "error"]
+    assert len(errors) == 1 and len(got) == 10  # and the other nine batches arrive
+    name, first, last = errors[0]
+    assert name == "RuntimeError" and first.startswith("Caught RuntimeError (raised as tests.datasets.")
+    assert first.endswith("DiskOnFire, which cannot be pickled) in DataLoader worker process 0.")
+    assert last.endswith(f"DiskOnFire: sample {bad}: disk on fire")

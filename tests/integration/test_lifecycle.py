@@ -177,7 +177,7 @@ def test_slot_bytes_need_not_be_a_page_multiple() -> None:
 def test_an_error_larger_than_its_slot_arrives_trimmed() -> None:
     loader = shmloader.DataLoader(Failing(8, bad=2, exc=LookupError), batch_size=1, num_workers=1,
                                   slot_bytes=4096, collate_fn=_explode_collate)
-    with pytest.raises(LookupError, match="traceback trimmed to fit the slot"):
+    with pytest.raises(LookupError, match="characters of the traceback cut so that the error fits its ring slot"):
         list(loader)
 
 
