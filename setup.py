@@ -8,7 +8,7 @@ import os
 from setuptools import Extension, setup
 
 compile_args = ["-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-O3"]
-link_args: list[str] = []
+link_args: list[str] = ["-pthread"]
 if os.environ.get("SHMLOADER_DEBUG"):
     compile_args += ["-O0", "-g", "-UNDEBUG"]
 if os.environ.get("SHMLOADER_SANITIZE"):
@@ -20,7 +20,7 @@ setup(
     ext_modules=[
         Extension(
             "shmloader._native",
-            sources=["native/_native.c"],
+            sources=["native/_native.c", "native/_sync.c"],
             extra_compile_args=compile_args,
             extra_link_args=link_args,
         )

@@ -1,5 +1,5 @@
 /*
- * shmloader._native: the slot header codec.
+ * shmloader._native: the slot header codec (synchronisation: native/_sync.c).
  *
  * A slot's leaf table lists every array the worker wrote into the slot's data
  * region: dtype code, kind (torch tensor or numpy array), byte offset, byte
@@ -240,10 +240,15 @@ static struct PyModuleDef module = {
     .m_methods = methods,
 };
 
+extern PyMethodDef shmloader_sync_methods[]; /* native/_sync.c */
+extern const int shmloader_sem_stride;
+
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    if (PyModule_AddIntConstant(m, "N_CODES", N_CODES) < 0 ||
+    if (PyModule_AddFunctions(m, shmloader_sync_methods) < 0 ||
+        PyModule_AddIntConstant(m, "SEM_STRIDE", shmloader_sem_stride) < 0 ||
+        PyModule_AddIntConstant(m, "N_CODES", N_CODES) < 0 ||
         PyModule_AddIntConstant(m, "LEAF_ALIGN", LEAF_ALIGN) < 0 ||
         PyModule_AddIntConstant(m, "MAX_NDIM", MAX_NDIM) < 0) {
         Py_DECREF(m);

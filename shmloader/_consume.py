@@ -34,7 +34,6 @@ import weakref
 from multiprocessing import connection as mp_connection
 from typing import Any, Generator
 
-import posix_ipc
 import torch
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
@@ -313,8 +312,6 @@ class RingIterator(_BaseDataLoaderIter):
             reason = "it died while the ring was being set up"
         elif self._iterable:
             reason = "an IterableDataset worker cannot be replaced without repeating or losing its shard"
-        elif self._start_method != "fork":
-            reason = f"replacing workers needs the fork start method; this loader uses {self._start_method!r}"
         elif used >= self._max_restarts:
             reason = f"{used} of max_worker_restarts={self._max_restarts} restarts are used up"
         if reason is not None:
@@ -374,21 +371,15 @@ class RingIterator(_BaseDataLoaderIter):
         overflow memory wait for a grant."""
         assert self._ring is not None
         tokens, self._banked = self._banked, 0
-        sem = self._ring.ready
-        assert sem is not None
-        while True:
-            try:
-                sem.acquire(0)
-            except posix_ipc.BusyError:
-                break
+        while self._ring.take_ready(0):
             tokens += 1
         if not tokens:
             return
         headers = self._ring.headers
         table = self._table
         for slot in list(table.tasks):
-            if table.state[slot] is not SlotState.IN_FLIGHT or headers[slot][F.STATE] != DONE:
-                continue
+            if table.state[slot] is not SlotState.IN_FLIGHT or not self._ring.is_done(slot):
+                continue  # (an acquire load: what the worker wrote before DONE is visible after it)
             hdr = headers[slot]
             if int(hdr[F.STATUS]) == Status.NEED_MEMORY:
                 wid = table.tasks[slot].worker
@@ -449,7 +440,7 @@ class RingIterator(_BaseDataLoaderIter):
                 return  # granting out of order could give an undeliverable later batch the room
             room = self._room_for(task.seq, size)
             if room is None:  # only the batches the caller holds could make room: a copy, not a hang
-                self._ring.headers[slot][F.STATE] = IDLE
+                self._ring.set_state(slot, IDLE)
                 table.granted(slot)
                 self._pool.send_memory(task.worker, slot, -1)
                 continue
@@ -460,7 +451,7 @@ class RingIterator(_BaseDataLoaderIter):
             try:
                 if self.pinned:
                     _device.register_host(mm, size)
-                self._ring.headers[slot][F.STATE] = IDLE  # before the worker can publish again
+                self._ring.set_state(slot, IDLE)  # before the worker can publish again
                 table.granted(slot)
                 self._overflow[slot] = (mm, size)
                 self._pool.send_memory(task.worker, slot, size, fd)
@@ -723,12 +714,9 @@ class RingIterator(_BaseDataLoaderIter):
 
     def _block(self, request: tuple[Any, ...]) -> None:
         if request is _READY:
-            assert self._ring is not None and self._ring.ready is not None
-            try:
-                self._ring.ready.acquire(CHECK_S)
+            assert self._ring is not None
+            if self._ring.take_ready(CHECK_S):  # a signal's handler (Ctrl-C) raises through it
                 self._banked += 1
-            except (posix_ipc.BusyError, posix_ipc.SignalError):
-                pass
         else:
             conns = [self._pool.conns[w] for w in request[1]]
             mp_connection.wait(conns + self._pool.sentinels, CHECK_S)
@@ -765,17 +753,14 @@ class RingIterator(_BaseDataLoaderIter):
     async def _await(self, request: tuple[Any, ...]) -> None:
         loop = asyncio.get_running_loop()
         if request is _READY:
-            assert self._ring is not None and self._ring.ready is not None
+            assert self._ring is not None
             try:  # drain before the last check, so a post after the check still wakes us
                 os.eventfd_read(self._doorbell)
             except BlockingIOError:
                 pass
-            try:
-                self._ring.ready.acquire(0)
+            if self._ring.take_ready(0):
                 self._banked += 1
                 return
-            except posix_ipc.BusyError:
-                pass
             fds = [self._doorbell]
         else:
             fds = [self._pool.conns[w].fileno() for w in request[1]]

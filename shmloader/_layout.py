@@ -2,7 +2,9 @@
 
 Segment::
 
-    [control page(s)]  per-worker task queues, then per-worker counters (int64), page aligned
+    [control page(s)]  semaphores (ready, then one task semaphore per worker; process-shared,
+                       SEM_STRIDE bytes each), per-worker task queues, per-worker counters
+                       (int64), page aligned
     [slot 0]           header page | data region
     [slot 1]           ...
 
@@ -27,15 +29,24 @@ from typing import Any, Final
 import numpy as np
 import torch
 
+from . import _native
+
 PAGE: Final = mmap.PAGESIZE
+SEM_STRIDE: Final = _native.SEM_STRIDE  # bytes a process-shared semaphore takes (native/_sync.c)
 HEADER_BYTES: Final = PAGE
 LEAF_ALIGN: Final = 64
 
 
 class F:
-    """Fields of a slot header (int64 each); plain ints, read on every batch."""
+    """Fields of a slot header (int64 each); plain ints, read on every batch.
 
-    STATE = 0  # IDLE while the task is pending, DONE once the result is complete
+    Publication: a worker writes the batch and every result field, then stores STATE=DONE
+    with release ordering (``_native.store_release``) and posts the ready semaphore; the
+    consumer reads STATE with acquire ordering (``_native.load_acquire``) before it reads
+    any other field or byte of the slot. So a DONE slot is complete on ARM as on x86.
+    """
+
+    STATE = 0  # IDLE while the task is pending, DONE once the result is complete (release/acquire)
     EPOCH = 1  # task: epoch the task belongs to
     SEQ = 2  # task: sequence number within the epoch
     TASK_LEN = 3  # task: bytes of the pickled index at the start of the data region
@@ -158,8 +169,21 @@ class RingGeometry:
         return self.num_slots + 1
 
     @property
+    def sems_bytes(self) -> int:
+        return (1 + self.num_workers) * SEM_STRIDE
+
+    @property
     def control_bytes(self) -> int:
-        return round_up(self.num_workers * (self.queue_len + N_COUNTERS) * 8, PAGE)
+        return round_up(self.sems_bytes + self.num_workers * (self.queue_len + N_COUNTERS) * 8, PAGE)
+
+    @property
+    def ready_sem(self) -> int:
+        """Offset of the ready semaphore: a worker posts it after publishing a slot."""
+        return 0
+
+    def task_sem(self, worker: int) -> int:
+        """Offset of ``worker``'s task semaphore: the consumer posts it after queueing a task."""
+        return (1 + worker) * SEM_STRIDE
 
     @property
     def slot_stride(self) -> int:
@@ -176,10 +200,14 @@ class RingGeometry:
         return self.slot_offset(slot) + HEADER_BYTES
 
     def queue_offset(self, worker: int) -> int:
-        return worker * self.queue_len * 8
+        return self.sems_bytes + worker * self.queue_len * 8
 
     def counters_offset(self, worker: int) -> int:
-        return (self.num_workers * self.queue_len + worker * N_COUNTERS) * 8
+        return self.sems_bytes + (self.num_workers * self.queue_len + worker * N_COUNTERS) * 8
+
+    def state_offset(self, slot: int) -> int:
+        """Offset of a slot's STATE field, published with release and read with acquire."""
+        return self.slot_offset(slot) + F.STATE * 8
 
 
 def slot_data_bytes(batch_bytes: int) -> int:

@@ -10,7 +10,7 @@ from typing import Any
 
 from ._errors import WorkerDiedError
 from ._layout import STOP_TASK
-from ._ring import AttachedRing
+from ._ring import Ring
 from ._worker import InheritedFd, WorkerConfig, worker_main, worker_replacement
 
 JOIN_GRACE_S = 0.5  # a worker stuck in user code is terminated after this
@@ -18,6 +18,7 @@ JOIN_GRACE_S = 0.5  # a worker stuck in user code is terminated after this
 
 class WorkerPool:
     def __init__(self, ctx: Any, configs: list[WorkerConfig], doorbell: int) -> None:
+        self.ctx = ctx
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self.configs = configs
@@ -62,19 +63,18 @@ class WorkerPool:
                 "num_workers or prefetch_factor."
             )
 
-    def replace(self, wid: int, ring: Any, doorbell: int) -> None:
-        """Start a new worker ``wid`` that inherits the ring (fork start method only), with a new
-        connection (closing the old one drops whatever the dead worker had queued on it)."""
-        import multiprocessing
-
-        ctx = multiprocessing.get_context("fork")
+    def replace(self, wid: int, ring: Ring, doorbell: int) -> None:
+        """Start a new worker ``wid`` (same start method) that maps the ring through its fd, with
+        a new connection (closing the old one drops whatever the dead worker had queued on it)."""
+        ctx = self.ctx
         self.procs[wid].join()
         self.conns[wid].close()
         parent_end, child_end = ctx.Pipe(duplex=True)
         self.conns[wid] = parent_end
         cfg = self.configs[wid]
         proc = ctx.Process(
-            target=worker_replacement, args=(cfg, AttachedRing.inherited(ring, wid), child_end, InheritedFd(doorbell)),
+            target=worker_replacement,
+            args=(cfg, ring.geometry, InheritedFd(ring.fd), child_end, InheritedFd(doorbell)),
             daemon=True, name=f"shmloader-worker-{wid}",
         )
         proc.start()

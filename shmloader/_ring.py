@@ -1,8 +1,10 @@
-"""The slot ring: one segment, its semaphores, and typed views of its headers and queues.
+"""The slot ring: one segment, the semaphores inside it, and typed views of its headers and queues.
 
-``Ring`` is the creator's handle (main process): it creates everything exclusively,
-unlinks the names once every worker has attached, and closes its handles on shutdown.
-``AttachedRing`` is a worker's handle: it maps by name and never unlinks.
+``Ring`` is the creator's handle (main process): it creates the segment exclusively,
+initialises its process-shared semaphores (``native/_sync.c``), unlinks the segment's name
+once every worker has attached, and keeps the segment's fd, so a worker started later (a
+replacement, under any start method) attaches through the fd: nothing needs a name after
+set-up, and there are no named semaphores at all. ``AttachedRing`` is a worker's handle.
 Neither knows what a batch is.
 """
 
@@ -10,26 +12,24 @@ from __future__ import annotations
 
 import dataclasses
 import mmap
+import os
 
 import numpy as np
-import posix_ipc
 
-from . import _shm
-from ._layout import N_COUNTERS, N_FIELDS, RingGeometry
+from . import _native, _shm
+from ._layout import DONE, N_COUNTERS, N_FIELDS, RingGeometry
 
 
 @dataclasses.dataclass(frozen=True)
 class RingSpec:
-    """What a worker needs to attach (picklable, sent once per ring)."""
+    """What a worker needs to attach at set-up (picklable, sent once per ring)."""
 
     geometry: RingGeometry
     segment: str
-    ready_sem: str
-    task_sems: tuple[str, ...]
 
 
 class _Views:
-    """Typed views of a mapped segment, identical in every process."""
+    """Typed views of a mapped segment, identical in every process, and its semaphores."""
 
     def __init__(self, geometry: RingGeometry, mm: mmap.mmap) -> None:
         self.geometry = geometry
@@ -49,105 +49,96 @@ class _Views:
             for w in range(geometry.num_workers)
         ]
 
+    def take_ready(self, timeout: float) -> bool:
+        """One token of the ready semaphore: at once (``timeout`` 0) or within ``timeout`` s."""
+        return _native.sem_wait(self.mm, self.geometry.ready_sem, timeout)
+
+    def is_done(self, slot: int) -> bool:
+        """Whether ``slot`` is published (an acquire load: its contents are visible after it)."""
+        return _native.load_acquire(self.mm, self.geometry.state_offset(slot)) == DONE
+
+    def set_state(self, slot: int, state: int) -> None:
+        """Store ``slot``'s STATE with release ordering, after everything written before it."""
+        _native.store_release(self.mm, self.geometry.state_offset(slot), state)
+
 
 class Ring(_Views):
-    """The main process's ring: creates the segment and semaphores, owns their names."""
+    """The main process's ring: creates the segment and owns its name and fd."""
 
     def __init__(self, geometry: RingGeometry) -> None:
         _shm.check_free(geometry.total_bytes)
-        self._names_linked = True
-        self.segment, mm = _shm.create_segment(geometry.total_bytes)
-        self.ready: posix_ipc.Semaphore | None = None
-        self.tasks: list[posix_ipc.Semaphore] = []
+        self._name_linked = True
+        self.segment, self.fd, mm = _shm.create_segment_fd(geometry.total_bytes)
         try:
-            self.ready = _shm.create_semaphore()
-            self.tasks = [_shm.create_semaphore() for _ in range(geometry.num_workers)]
+            for offset in [geometry.ready_sem, *(geometry.task_sem(w) for w in range(geometry.num_workers))]:
+                _native.sem_init(mm, offset)
         except BaseException:
-            self._unlink(mm_name=self.segment)
+            self.close()
             raise
         super().__init__(geometry, mm)
         self._tails = [0] * geometry.num_workers
 
     @property
     def spec(self) -> RingSpec:
-        assert self.ready is not None
-        return RingSpec(self.geometry, self.segment, self.ready.name, tuple(s.name for s in self.tasks))
-
-    def _unlink(self, mm_name: str) -> None:
-        _shm.unlink_segment(mm_name)
-        for sem in [self.ready, *self.tasks]:
-            if sem is not None:
-                _shm.unlink_semaphore(sem)
+        return RingSpec(self.geometry, self.segment)
 
     def unlink(self) -> None:
-        """Remove the names; mappings and open handles stay valid. Idempotent."""
-        if self._names_linked:
-            self._names_linked = False
-            self._unlink(self.segment)
+        """Remove the segment's name; mappings and the fd stay valid. Idempotent."""
+        if self._name_linked:
+            self._name_linked = False
+            _shm.unlink_segment(self.segment)
 
     def push_task(self, worker: int, slot: int) -> None:
         """Queue ``slot`` (or STOP_TASK, RESIZE_TASK) for ``worker`` and wake it."""
         q = self.queues[worker]
         q[self._tails[worker] % self.geometry.queue_len] = slot
         self._tails[worker] += 1
-        self.tasks[worker].release()
+        _native.sem_post(self.mm, self.geometry.task_sem(worker))
 
     def renew_queue(self, worker: int) -> None:
-        """A fresh task semaphore and an empty queue for ``worker`` (its process died holding
-        the old ones). The new semaphore is unlinked at once: its replacement inherits it."""
-        old = self.tasks[worker]
-        self.tasks[worker] = _shm.create_semaphore()
-        _shm.unlink_semaphore(self.tasks[worker])
-        if self._names_linked:  # a ring still being attached to (it grew): its names go now
-            _shm.unlink_semaphore(old)
-        old.close()
+        """An empty queue and a fresh task semaphore for ``worker``: its process died, maybe
+        inside a wait, and its replacement starts from nothing queued."""
+        _native.sem_init(self.mm, self.geometry.task_sem(worker))
         self.queues[worker][:] = 0
         self._tails[worker] = 0
 
     def close(self) -> None:
-        """Unlink the names and close the semaphore handles (the mapping lives on while
-        batches still view it)."""
+        """Unlink the name and close the fd (the mapping lives on while batches view it)."""
         self.unlink()
-        for sem in [self.ready, *self.tasks]:
-            if sem is not None:
-                sem.close()
-        self.ready = None
-        self.tasks = []
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class AttachedRing(_Views):
-    """A worker's view of the ring: attached by name at start-up, or inherited (fork) by a
-    worker that replaces a dead one."""
+    """A worker's view of the ring: attached by name at set-up, or through the segment's fd
+    (a worker that replaces a dead one, under any start method)."""
 
-    def __init__(self, geometry: RingGeometry, mm: mmap.mmap, ready: posix_ipc.Semaphore,
-                 task: posix_ipc.Semaphore, worker_id: int) -> None:
+    def __init__(self, geometry: RingGeometry, mm: mmap.mmap, worker_id: int) -> None:
         super().__init__(geometry, mm)
-        self.ready = ready
-        self.task = task
+        self.worker_id = worker_id
         self.queue = self.queues[worker_id]
         self._head = 0
 
     @classmethod
     def by_name(cls, spec: RingSpec, worker_id: int) -> AttachedRing:
-        mm = _shm.attach_segment(spec.segment, spec.geometry.total_bytes)
-        return cls(spec.geometry, mm, posix_ipc.Semaphore(spec.ready_sem),
-                   posix_ipc.Semaphore(spec.task_sems[worker_id]), worker_id)
+        return cls(spec.geometry, _shm.attach_segment(spec.segment, spec.geometry.total_bytes), worker_id)
 
     @classmethod
-    def inherited(cls, ring: Ring, worker_id: int) -> AttachedRing:
-        assert ring.ready is not None
-        return cls(ring.geometry, ring.mm, ring.ready, ring.tasks[worker_id], worker_id)
+    def by_fd(cls, geometry: RingGeometry, fd: int, worker_id: int) -> AttachedRing:
+        try:
+            mm = mmap.mmap(fd, geometry.total_bytes)
+        finally:
+            os.close(fd)
+        return cls(geometry, mm, worker_id)
 
-    def close(self) -> None:
-        """Close this process's semaphore handles (the mapping goes with the last view)."""
-        self.ready.close()
-        self.task.close()
+    def post_ready(self) -> None:
+        """Tell the consumer a slot is published (a full barrier, after ``set_state``)."""
+        _native.sem_post(self.mm, self.geometry.ready_sem)
 
     def next_task(self, timeout: float) -> int | None:
         """The next slot queued for this worker (or STOP_TASK, RESIZE_TASK), None on timeout."""
-        try:
-            self.task.acquire(timeout)
-        except posix_ipc.BusyError:
+        if not _native.sem_wait(self.mm, self.geometry.task_sem(self.worker_id), timeout):
             return None
         slot = int(self.queue[self._head % self.geometry.queue_len])
         self._head += 1

@@ -50,7 +50,15 @@ def check_free(needed: int, path: str = SHM_DIR) -> None:
 
 
 def create_segment(size: int) -> tuple[str, mmap.mmap]:
-    """Create, reserve and map a new segment of ``size`` bytes. Returns (name, mapping).
+    """Create, reserve and map a new segment of ``size`` bytes. Returns (name, mapping)."""
+    name, fd, mm = create_segment_fd(size)
+    os.close(fd)
+    return name, mm
+
+
+def create_segment_fd(size: int) -> tuple[str, int, mmap.mmap]:
+    """Create, reserve and map a new segment of ``size`` bytes. Returns (name, fd, mapping);
+    the fd stays open for processes started later (it survives the name's unlink).
 
     The pages are reserved with posix_fallocate, so a full tmpfs fails here with a
     clear error instead of a SIGBUS on first touch.
@@ -68,12 +76,12 @@ def create_segment(size: int) -> tuple[str, mmap.mmap]:
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
         mm = mmap.mmap(shm.fd, size)
+        os.set_inheritable(shm.fd, False)
     except BaseException:
         shm.close_fd()
         posix_ipc.unlink_shared_memory(name)
         raise
-    shm.close_fd()
-    return name, mm
+    return name, shm.fd, mm
 
 
 def attach_segment(name: str, size: int) -> mmap.mmap:

@@ -39,7 +39,7 @@ from multiprocessing import reduction
 from torch.utils.data._utils import worker as torch_worker
 
 from ._collate import SlotWriter, slot_collate_map
-from ._layout import DONE, RESIZE_TASK, C, F, Region, Status
+from ._layout import DONE, RESIZE_TASK, C, F, Region, RingGeometry, Status
 from ._ring import AttachedRing, RingSpec
 
 _ONE = struct.pack("=Q", 1)
@@ -194,8 +194,8 @@ def _publish(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWrite
         hdr[F.EXTRA_LEN] = writer.extra_len
     elif outcome.status is Status.ERROR or outcome.status is Status.INIT_ERROR:
         _write_error(ring, slot, hdr, outcome.error)
-    hdr[F.STATE] = DONE
-    ring.ready.release()  # a full barrier: every write above is visible once this is
+    ring.set_state(slot, DONE)  # a release store: every write above is visible to an acquire of DONE
+    ring.post_ready()
     try:
         os.write(doorbell, _ONE)
     except OSError:
@@ -410,11 +410,14 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
     _serve(cfg, ring, producer, mailbox, init_error, doorbell)
 
 
-def worker_replacement(cfg: WorkerConfig, ring: AttachedRing, conn: Any, doorbell: InheritedFd) -> None:
-    """Entry point of a worker that replaces a dead one (fork only: it inherits the ring)."""
+def worker_replacement(cfg: WorkerConfig, geometry: RingGeometry, segment: InheritedFd, conn: Any,
+                       doorbell: InheritedFd) -> None:
+    """Entry point of a worker that replaces a dead one, under any start method: it maps the
+    ring through the segment's fd (the name is long gone; the semaphores live inside)."""
     try:
         parent = ParentWatch(cfg.parent_pid)
         init_error = _init(cfg)
+        ring = AttachedRing.by_fd(geometry, segment.fd, cfg.worker_id)
         ring.counters[cfg.worker_id][C.STARTED_NS] = time.monotonic_ns()
         _serve(cfg, ring, _Producer(cfg), Mailbox(conn, parent, cfg.parent_check_s), init_error, doorbell.fd)
     except KeyboardInterrupt:
@@ -428,7 +431,6 @@ def _reattach(cfg: WorkerConfig, old: AttachedRing, mailbox: Mailbox) -> Attache
         return None
     ring = AttachedRing.by_name(msg[2], cfg.worker_id)
     ring.counters[cfg.worker_id][:] = old.counters[cfg.worker_id]
-    old.close()
     mailbox.conn.send(("attached",))
     return ring
 

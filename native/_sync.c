@@ -1,0 +1,163 @@
+/*
+ * shmloader._native, part 2: synchronisation that lives inside the shared segment.
+ *
+ * Process-shared POSIX semaphores (sem_init with pshared=1) placed in the segment's
+ * control area, so nothing has a name: a worker started later (a replacement under
+ * spawn or forkserver) gets them with the segment's fd. And release/acquire loads and
+ * stores of 64-bit header fields, so a consumer that sees a slot's state also sees every
+ * byte written before it, on ARM as on x86.
+ *
+ * Every function takes a writable buffer (the segment's mmap) and a byte offset into
+ * it, checked to lie inside the buffer and to be aligned. Blocking waits release the GIL;
+ * a signal that interrupts one runs the Python handlers, so Ctrl-C and pytest-timeout
+ * reach the caller.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <semaphore.h>
+#include <stdint.h>
+#include <time.h>
+
+#define SEM_STRIDE 64 /* bytes reserved per semaphore in the control area */
+_Static_assert(sizeof(sem_t) <= SEM_STRIDE, "sem_t must fit its reserved bytes");
+
+/* The address at `offset` in a writable buffer, for an object of `size` bytes aligned to
+   `align`; NULL with ValueError otherwise. The caller releases `view`. */
+static char *at(PyObject *buffer, Py_buffer *view, Py_ssize_t offset, Py_ssize_t size, Py_ssize_t align) {
+    if (PyObject_GetBuffer(buffer, view, PyBUF_WRITABLE) < 0) return NULL;
+    if (offset < 0 || offset > view->len - size || offset % align != 0) {
+        PyErr_Format(PyExc_ValueError, "offset %zd: %zd bytes aligned to %zd do not fit a %zd-byte buffer",
+                     offset, size, align, view->len);
+        PyBuffer_Release(view);
+        return NULL;
+    }
+    return (char *)view->buf + offset;
+}
+
+PyDoc_STRVAR(sem_init_doc,
+"sem_init(buffer, offset, /)\n--\n\n"
+"Initialise a process-shared semaphore of value 0 at buffer[offset:offset+64].");
+
+static PyObject *py_sem_init(PyObject *self, PyObject *args) {
+    PyObject *buffer;
+    Py_ssize_t offset;
+    Py_buffer view;
+    if (!PyArg_ParseTuple(args, "On", &buffer, &offset)) return NULL;
+    char *p = at(buffer, &view, offset, SEM_STRIDE, 8);
+    if (p == NULL) return NULL;
+    int rc = sem_init((sem_t *)p, 1, 0);
+    PyBuffer_Release(&view);
+    if (rc != 0) return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(sem_post_doc,
+"sem_post(buffer, offset, /)\n--\n\n"
+"Post the semaphore at buffer[offset] (a full memory barrier).");
+
+static PyObject *py_sem_post(PyObject *self, PyObject *args) {
+    PyObject *buffer;
+    Py_ssize_t offset;
+    Py_buffer view;
+    if (!PyArg_ParseTuple(args, "On", &buffer, &offset)) return NULL;
+    char *p = at(buffer, &view, offset, SEM_STRIDE, 8);
+    if (p == NULL) return NULL;
+    int rc = sem_post((sem_t *)p);
+    PyBuffer_Release(&view);
+    if (rc != 0) return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(sem_wait_doc,
+"sem_wait(buffer, offset, timeout, /)\n--\n\n"
+"Take one token of the semaphore at buffer[offset]: at once when timeout is 0, waiting at\n"
+"most timeout seconds otherwise. Returns True when a token was taken, False on timeout.\n"
+"A signal during the wait runs Python's handlers (their exception propagates).");
+
+static PyObject *py_sem_wait(PyObject *self, PyObject *args) {
+    PyObject *buffer;
+    Py_ssize_t offset;
+    double timeout;
+    Py_buffer view;
+    if (!PyArg_ParseTuple(args, "Ond", &buffer, &offset, &timeout)) return NULL;
+    char *p = at(buffer, &view, offset, SEM_STRIDE, 8);
+    if (p == NULL) return NULL;
+    sem_t *sem = (sem_t *)p;
+    int rc, err = 0;
+    if (timeout <= 0) {
+        rc = sem_trywait(sem);
+        err = rc ? errno : 0;
+    } else {
+        struct timespec deadline;
+        clock_gettime(CLOCK_REALTIME, &deadline);
+        double whole = (double)(time_t)timeout;
+        deadline.tv_sec += (time_t)timeout;
+        deadline.tv_nsec += (long)((timeout - whole) * 1e9);
+        if (deadline.tv_nsec >= 1000000000L) {
+            deadline.tv_sec += 1;
+            deadline.tv_nsec -= 1000000000L;
+        }
+        for (;;) {
+            Py_BEGIN_ALLOW_THREADS
+            rc = sem_timedwait(sem, &deadline);
+            err = rc ? errno : 0;
+            Py_END_ALLOW_THREADS
+            if (rc == 0 || err != EINTR) break;
+            if (PyErr_CheckSignals() < 0) {
+                PyBuffer_Release(&view);
+                return NULL;
+            }
+        }
+    }
+    PyBuffer_Release(&view);
+    if (rc == 0) Py_RETURN_TRUE;
+    if (err == EAGAIN || err == ETIMEDOUT || err == EINTR) Py_RETURN_FALSE;
+    errno = err;
+    return PyErr_SetFromErrno(PyExc_OSError);
+}
+
+PyDoc_STRVAR(load_acquire_doc,
+"load_acquire(buffer, offset, /)\n--\n\n"
+"The int64 at buffer[offset] (8-byte aligned), read with acquire ordering: every write the\n"
+"writer made before its store_release of this value is visible after it.");
+
+static PyObject *py_load_acquire(PyObject *self, PyObject *args) {
+    PyObject *buffer;
+    Py_ssize_t offset;
+    Py_buffer view;
+    if (!PyArg_ParseTuple(args, "On", &buffer, &offset)) return NULL;
+    char *p = at(buffer, &view, offset, 8, 8);
+    if (p == NULL) return NULL;
+    int64_t v = __atomic_load_n((int64_t *)p, __ATOMIC_ACQUIRE);
+    PyBuffer_Release(&view);
+    return PyLong_FromLongLong(v);
+}
+
+PyDoc_STRVAR(store_release_doc,
+"store_release(buffer, offset, value, /)\n--\n\n"
+"Store the int64 value at buffer[offset] (8-byte aligned) with release ordering: every\n"
+"write before it is visible to a reader whose load_acquire sees the value.");
+
+static PyObject *py_store_release(PyObject *self, PyObject *args) {
+    PyObject *buffer;
+    Py_ssize_t offset;
+    long long value;
+    Py_buffer view;
+    if (!PyArg_ParseTuple(args, "OnL", &buffer, &offset, &value)) return NULL;
+    char *p = at(buffer, &view, offset, 8, 8);
+    if (p == NULL) return NULL;
+    __atomic_store_n((int64_t *)p, (int64_t)value, __ATOMIC_RELEASE);
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
+PyMethodDef shmloader_sync_methods[] = {
+    {"sem_init", py_sem_init, METH_VARARGS, sem_init_doc},
+    {"sem_post", py_sem_post, METH_VARARGS, sem_post_doc},
+    {"sem_wait", py_sem_wait, METH_VARARGS, sem_wait_doc},
+    {"load_acquire", py_load_acquire, METH_VARARGS, load_acquire_doc},
+    {"store_release", py_store_release, METH_VARARGS, store_release_doc},
+    {NULL, NULL, 0, NULL},
+};
+const int shmloader_sem_stride = SEM_STRIDE;
