@@ -17,10 +17,11 @@ batch's journey per file (see shmloader/README.md):
     _stats.py     telemetry: counters and the stats() snapshot
     _checkpoint.py  state_dict / load_state_dict
     _bench/       the `shmloader bench` command
-    _ring.py      the segment, its semaphores, header and queue views
+    _ring.py      the segment, the semaphores inside it, header and queue views
     _layout.py    the byte layout shared by writer and reader
-    _shm.py       POSIX shared memory and semaphores: create, attach, unlink
-    _native       C: leaf-table codec (native/_native.c)
+    _shm.py       POSIX shared memory: create, attach, unlink
+    _native       C: leaf-table codec (native/_native.c), in-segment semaphores and
+                  release/acquire publication (native/_sync.c)
 """
 
 from torch.utils.data import get_worker_info as get_worker_info

@@ -117,3 +117,23 @@ def test_a_worker_error_comes_after_the_batches_before_it() -> None:
         for batch in shmloader.DataLoader(Failing(40, bad=13), batch_size=4, num_workers=2, device="cuda"):
             got.append(batch.cpu().flatten().tolist())
     assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_device_delivery_survives_worker_kills(context: str) -> None:
+    import os
+    import random
+    import signal
+
+    seed = random.randrange(2**32)
+    print(f"kill schedule seed: {seed}")
+    rng = random.Random(seed)
+    loader = shmloader.DataLoader(Blocks(640), batch_size=8, num_workers=2, device="cuda", max_worker_restarts=20,
+                                  multiprocessing_context=context)
+    it = iter(loader)
+    n = 0
+    for n, batch in enumerate(it, 1):
+        check_blocks(batch, 8 * (n - 1))
+        if n in (7, 31, 55):
+            os.kill(rng.choice([p.pid for p in it._pool.procs if p.exitcode is None]), signal.SIGKILL)
+    assert n == 80 and loader.stats().worker_restarts >= 1

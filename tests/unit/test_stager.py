@@ -86,3 +86,31 @@ def test_stager_delivers_in_order_and_frees_slots_only_after_their_copy(fake_cud
     assert [n for _, _, _, n in stager.staged] == ["b", "c"]
     stager.drain()
     assert not stager.staged and stager.reap() == [2]
+
+
+def test_device_delivery_survives_worker_kills(fake_cuda: FakeStream, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The whole loader with device delivery, its CUDA stood in by the fakes ("copies" to the
+    # CPU): workers killed mid-epoch lose no staged batch and duplicate none.
+    import os
+    import random
+    import signal
+
+    import shmloader
+    from tests.datasets import Blocks, check_blocks
+
+    monkeypatch.setattr(_device, "register_host", lambda mm, nbytes, cudart=None: False)
+    loader = shmloader.DataLoader(Blocks(640, words=1024), batch_size=8, num_workers=2, prefetch_factor=3,
+                                  max_worker_restarts=100)
+    loader._shm_device = torch.device("cpu")  # device= without CUDA: what parse_device would refuse
+    seed = random.randrange(2**32)
+    print(f"kill schedule seed: {seed}")
+    rng = random.Random(seed)
+    it = iter(loader)
+    n = 0
+    for n, batch in enumerate(it, 1):
+        assert it._stager is not None
+        check_blocks(batch.clone(), 8 * (n - 1))  # a CPU "copy" views the slot: check it at once
+        if rng.random() < 0.1:
+            os.kill(rng.choice([p.pid for p in it._pool.procs if p.exitcode is None]), signal.SIGKILL)
+    assert n == 80
+    assert loader.stats().worker_restarts >= 1
