@@ -310,8 +310,9 @@ class RingIterator(_BaseDataLoaderIter):
         reason = None
         if not self._started:
             reason = "it died while the ring was being set up"
-        elif self._iterable:
-            reason = "an IterableDataset worker cannot be replaced without repeating or losing its shard"
+        elif self._iterable and not _checkpoint.has_state(self._dataset):
+            reason = ("an IterableDataset worker cannot be replaced without repeating or losing its shard; "
+                      "give the dataset state_dict() and load_state_dict() to make its workers replaceable")
         elif used >= self._max_restarts:
             reason = f"{used} of max_worker_restarts={self._max_restarts} restarts are used up"
         if reason is not None:
@@ -325,11 +326,35 @@ class RingIterator(_BaseDataLoaderIter):
         for slot, _ in orphans:
             self._drop_overflow(slot)
         self._ring.renew_queue(wid)
-        self._pool.replace(wid, self._ring, self._doorbell)
+        shard = (self._shard_state(wid), table.epoch) if self._iterable else None
+        self._pool.replace(wid, self._ring, self._doorbell, shard)
         for slot, task in orphans:  # to its replacement: the batch -> worker assignment stays torch's
             if task.epoch == table.epoch:
                 table.redispatch(slot, task, wid)
                 self._submit(slot, wid, task.seq, task.index)
+
+    def _shard_state(self, wid: int) -> bytes:
+        """Where a replacement of IterableDataset worker ``wid`` resumes its shard: the state its
+        dataset stored after the last batch it made that is kept (ready, staged, or delivered),
+        in this epoch; nothing (the shard's start) when there is none."""
+        assert self._ring is not None
+        table = self._table
+        kept = [(table.tasks[s].seq, s) for s in table.ready.values() if table.tasks[s].worker == wid]
+        if kept:
+            slot = max(kept)[1]
+            piped = self._piped.get(slot)
+            if piped is not None:
+                state: bytes = pickle.loads(piped)[1]
+                return state
+            return read_extra(self._ring, slot, self._overflow_where(slot))
+        staged = [note for note in ([] if self._stager is None else self._stager.notes()) if note and note[0] == wid]
+        if staged:
+            note: tuple[int, bytes] = staged[-1]
+            return note[1]
+        if wid in self.dataset_states:
+            return self.dataset_states[wid]
+        # The iterator's first epoch may have begun from a checkpoint: the state it was given.
+        return self._pool.configs[wid].dataset_state if self._table.epoch == 0 else b""
 
     def _wait_conns(self, wids: list[int]) -> Generator[tuple[Any, ...], None, None]:
         while not all(self._pool.conns[w].poll() for w in wids):

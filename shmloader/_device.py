@@ -153,6 +153,10 @@ class DeviceStager:
             t.record_stream(current)
         return batch, note
 
+    def notes(self) -> list[Any]:
+        """The notes of the staged batches, in delivery order."""
+        return [note for _, _, _, note in self.staged]
+
     def reap(self, block: bool = False) -> list[int]:
         """Slots whose copies have completed; with ``block``, wait for the oldest first."""
         done: list[int] = []

@@ -58,8 +58,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         max_worker_restarts: how many dead workers (SIGKILL, OOM killer, a crash in C) the
             loader replaces over its lifetime, dispatching their tasks again so every batch
             still arrives exactly once and in order; one more death raises
-            ``WorkerDiedError``. Default 3. Works under every start method; needs a
-            map-style dataset (an IterableDataset worker's shard position dies with it).
+            ``WorkerDiedError``. Default 3. Works under every start method; an
+            IterableDataset needs ``state_dict()``/``load_state_dict()`` (the replacement
+            resumes its shard from the state after its predecessor's last kept batch).
     """
 
     def __init__(

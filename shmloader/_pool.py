@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -63,15 +64,18 @@ class WorkerPool:
                 "num_workers or prefetch_factor."
             )
 
-    def replace(self, wid: int, ring: Ring, doorbell: int) -> None:
+    def replace(self, wid: int, ring: Ring, doorbell: int, dataset_state: tuple[bytes, int] | None = None) -> None:
         """Start a new worker ``wid`` (same start method) that maps the ring through its fd, with
-        a new connection (closing the old one drops whatever the dead worker had queued on it)."""
+        a new connection (closing the old one drops whatever the dead worker had queued on it).
+        ``dataset_state``: the IterableDataset state it resumes its shard from, and its epoch."""
         ctx = self.ctx
         self.procs[wid].join()
         self.conns[wid].close()
         parent_end, child_end = ctx.Pipe(duplex=True)
         self.conns[wid] = parent_end
         cfg = self.configs[wid]
+        if dataset_state is not None:
+            cfg = dataclasses.replace(cfg, dataset_state=dataset_state[0], dataset_state_epoch=dataset_state[1])
         proc = ctx.Process(
             target=worker_replacement,
             args=(cfg, ring.geometry, InheritedFd(ring.fd), child_end, InheritedFd(doorbell)),

@@ -61,6 +61,9 @@ class WorkerConfig:
     parent_pid: int
     parent_check_s: float = 0.5  # how often an idle worker checks that the loader lives
     dataset_state: bytes = b""  # a pickled IterableDataset state to load before its first epoch
+    # The epoch that state belongs to, for a replaced worker: loaded (with its "shard ended"
+    # flag) only if the first task is of that epoch. None: a checkpoint's, loaded as it is.
+    dataset_state_epoch: int | None = None
 
 
 @dataclasses.dataclass
@@ -111,9 +114,13 @@ class _Producer:
             getitems = getattr(ds, "__getitems__", None)
             return getitems(index) if getitems else [ds[i] for i in index]
         if epoch != self._epoch:
-            if self._epoch is None and self.cfg.dataset_state:  # resuming from a checkpoint
-                ds.load_state_dict(pickle.loads(self.cfg.dataset_state)["state"])
-            self._epoch, self._iter, self._ended = epoch, iter(ds), False
+            ended = False
+            resumed = self.cfg.dataset_state_epoch
+            if self._epoch is None and self.cfg.dataset_state and resumed in (None, epoch):
+                saved = pickle.loads(self.cfg.dataset_state)  # a checkpoint's, or a dead predecessor's
+                ds.load_state_dict(saved["state"])
+                ended = resumed == epoch and saved["ended"]
+            self._epoch, self._iter, self._ended = epoch, iter(ds), ended
         if self._ended:
             raise StopIteration
         if not self.cfg.auto_collation:

@@ -93,3 +93,40 @@ def test_kills_are_recovered_under_spawn_and_forkserver(rng: random.Random, cont
         n = asyncio.run(consume())
     assert n == 60
     assert 1 <= loader.stats().worker_restarts <= 3
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_an_iterable_dataset_with_state_resumes_its_shard_after_a_kill(rng: random.Random, context: str) -> None:
+    # A replacement resumes its shard from the state after the last batch its predecessor
+    # made that is kept: the epoch is torch's, exactly once and in order.
+    import torch.utils.data as tud
+
+    from tests.conftest import same
+    from tests.datasets import StatefulShards
+
+    want = [list(tud.DataLoader(StatefulShards(300), batch_size=4, num_workers=2)) for _ in range(2)]
+    loader = shmloader.DataLoader(StatefulShards(300), batch_size=4, num_workers=2, persistent_workers=True,
+                                  max_worker_restarts=20, multiprocessing_context=context)
+    kills = 0
+    for epoch in range(2):
+        got = []
+        it = iter(loader)
+        for n, batch in enumerate(it, 1):
+            got.append(batch)
+            if n % 13 == 0 and kills < 4:
+                kill_one(it, rng, (signal.SIGKILL,))  # type: ignore[arg-type]
+                kills += 1
+        same(got, want[epoch])
+    assert 1 <= loader.stats().worker_restarts <= kills
+
+
+def test_an_iterable_dataset_without_state_says_how_to_make_it_replaceable() -> None:
+    from tests.datasets import Shards
+
+    loader = shmloader.DataLoader(Shards(400), batch_size=4, num_workers=2)
+    it = iter(loader)
+    next(it)
+    os.kill(it._pool.procs[0].pid, signal.SIGKILL)  # type: ignore[attr-defined]
+    with pytest.raises(shmloader.WorkerDiedError, match="give the dataset state_dict\\(\\) and load_state_dict\\(\\)"):
+        for _ in it:
+            pass
