@@ -4,6 +4,7 @@ The public surface is this module; everything else is private, one stage of a
 batch's journey per file (see shmloader/README.md):
 
     _loader.py    DataLoader facade: torch's arguments, lifecycle, async iteration
+    _install.py   install(): torch's own DataLoader (and frameworks' loaders) use the ring
     _consume.py   main-process iterator: start-up, sync/async waits, order, errors
     _dispatch.py  sampler indices -> tasks in free slots, worker choice
     _slots.py     slot states (free / in flight / waiting / ready / lent) and their invariant
@@ -32,6 +33,10 @@ from ._errors import MemoryBudgetError as MemoryBudgetError
 from ._errors import SharedMemoryFullError as SharedMemoryFullError
 from ._errors import ShmLoaderError as ShmLoaderError
 from ._errors import WorkerDiedError as WorkerDiedError
+from ._install import install as install
+from ._install import installed as installed
+from ._install import stats as stats
+from ._install import uninstall as uninstall
 from ._loader import DataLoader as DataLoader
 from ._stats import LoaderStats as LoaderStats
 from ._stats import RingOccupancy as RingOccupancy
@@ -47,5 +52,9 @@ __all__ = [
     "ShmLoaderError",
     "WorkerDiedError",
     "get_worker_info",
+    "install",
+    "installed",
+    "stats",
+    "uninstall",
 ]
 __version__ = "0.1.0"

@@ -22,6 +22,53 @@ from ._consume import RingIterator
 from ._stats import Counters, LoaderStats
 
 
+def check_options(*, slot_bytes: int | None, device_prefetch: int, max_worker_restarts: int) -> None:
+    """Validate the options shmloader adds to torch's (the same errors from every entry point)."""
+    if not isinstance(max_worker_restarts, int) or max_worker_restarts < 0:
+        raise ValueError(f"max_worker_restarts should be a non-negative int, but got {max_worker_restarts!r}")
+    if not isinstance(device_prefetch, int) or device_prefetch < 1:
+        raise ValueError(f"device_prefetch should be a positive int, but got device_prefetch={device_prefetch!r}")
+    if slot_bytes is not None and (not isinstance(slot_bytes, int) or slot_bytes <= 0):
+        raise ValueError(f"slot_bytes should be a positive int, but got slot_bytes={slot_bytes!r}")
+
+
+def attach_options(loader: Any, *, slot_bytes: int | None = None, device: str | torch.device | None = None,
+                   device_prefetch: int = 2, memory_budget: int | str | None = None,
+                   max_worker_restarts: int = 3) -> None:
+    """Give ``loader`` (a shmloader.DataLoader, or torch's own under ``shmloader.install()``)
+    shmloader's options as attributes (public ones, so frameworks that re-create a loader from
+    its attributes keep them) and what its ring iterators read and write."""
+    check_options(slot_bytes=slot_bytes, device_prefetch=device_prefetch, max_worker_restarts=max_worker_restarts)
+    loader.slot_bytes = slot_bytes
+    loader.memory_budget = memory_budget
+    loader.max_worker_restarts = max_worker_restarts
+    loader._shm_memory_budget = None if memory_budget is None else parse_size(memory_budget)
+    loader._shm_counters = Counters()
+    loader.device = device
+    loader.device_prefetch = device_prefetch
+    loader._shm_device = _device.parse_device(device, loader.num_workers)
+    loader._shm_batch_bytes = None  # the slot size rings start at (measured, then grown)
+    loader._shm_resume_seed = None  # read by RingIterator
+    loader._shm_resume_iterable = None  # read by RingIterator
+
+
+def stats_of(loader: Any, it: Any) -> LoaderStats:
+    """The ``LoaderStats`` of a loader that uses the ring, with ``it`` its live iterator (or None)."""
+    c = loader._shm_counters
+    return LoaderStats(
+        batches=c.batches,
+        bytes=c.bytes,
+        wait_s=c.wait_s,
+        compute_s=c.compute_s,
+        copies=c.copies,
+        worker_restarts=c.worker_restarts,
+        overflow_batches=c.overflow_batches,
+        ring_growths=c.ring_growths,
+        worker_busy=() if it is None else it.worker_busy(),
+        ring=None if it is None else it.occupancy(),
+    )
+
+
 T_co = TypeVar("T_co", covariant=True)
 
 
@@ -63,6 +110,15 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             resumes its shard from the state after its predecessor's last kept batch).
     """
 
+    # Set by attach_options (shared with torch's loaders under install()); read by RingIterator.
+    slot_bytes: int | None
+    memory_budget: int | str | None
+    max_worker_restarts: int
+    device: str | torch.device | None
+    device_prefetch: int
+    _shm_resume_seed: tuple[int, torch.Tensor] | None
+    _shm_resume_iterable: _checkpoint.IterableResume | None
+
     def __init__(
         self,
         dataset: Any,
@@ -89,12 +145,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         memory_budget: int | str | None = None,
         max_worker_restarts: int = 3,
     ) -> None:
-        if not isinstance(max_worker_restarts, int) or max_worker_restarts < 0:
-            raise ValueError(f"max_worker_restarts should be a non-negative int, but got {max_worker_restarts!r}")
-        if not isinstance(device_prefetch, int) or device_prefetch < 1:
-            raise ValueError(f"device_prefetch should be a positive int, but got device_prefetch={device_prefetch!r}")
-        if slot_bytes is not None and (not isinstance(slot_bytes, int) or slot_bytes <= 0):
-            raise ValueError(f"slot_bytes should be a positive int, but got slot_bytes={slot_bytes!r}")
         super().__init__(
             dataset,
             batch_size=batch_size,
@@ -114,21 +164,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
-        self.slot_bytes = slot_bytes
-        self.memory_budget = memory_budget
-        self.max_worker_restarts = max_worker_restarts
-        self._shm_memory_budget = None if memory_budget is None else parse_size(memory_budget)
-        self._shm_counters = Counters()
-        self.device = device
-        self.device_prefetch = device_prefetch
-        self._shm_device = _device.parse_device(device, self.num_workers)
-        self._shm_batch_bytes: int | None = None  # the slot size rings start at (measured, then grown)
+        attach_options(self, slot_bytes=slot_bytes, device=device, device_prefetch=device_prefetch,
+                       memory_budget=memory_budget, max_worker_restarts=max_worker_restarts)
         self._shm_iterators: weakref.WeakSet[RingIterator] = weakref.WeakSet()
         self._shm_epoch_start: _checkpoint.EpochStart | None = None
         self._shm_current: weakref.ref[Any] | None = None
         self._shm_resume: dict[str, Any] | None = None
-        self._shm_resume_seed: tuple[int, torch.Tensor] | None = None  # read by RingIterator
-        self._shm_resume_iterable: _checkpoint.IterableResume | None = None  # read by RingIterator
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle and deepcopy as torch's loader does: every setting; a live iterator refuses
@@ -222,23 +263,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
     def stats(self) -> LoaderStats:
         """A snapshot of what the loader has done since it was created (see LoaderStats)."""
-        c = self._shm_counters
         it = self._iterator if isinstance(self._iterator, RingIterator) else None
         if it is None:
             live = [i for i in list(self._shm_iterators) if not i.shut_down]
             it = live[-1] if live else None
-        return LoaderStats(
-            batches=c.batches,
-            bytes=c.bytes,
-            wait_s=c.wait_s,
-            compute_s=c.compute_s,
-            copies=c.copies,
-            worker_restarts=c.worker_restarts,
-            overflow_batches=c.overflow_batches,
-            ring_growths=c.ring_growths,
-            worker_busy=() if it is None else it.worker_busy(),
-            ring=None if it is None else it.occupancy(),
-        )
+        return stats_of(self, it)
 
     def release(self, batch: Any) -> int:
         """Return the ring slots that ``batch`` views, now, without waiting for its
