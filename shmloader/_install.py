@@ -7,12 +7,15 @@ from then on every loader with ``num_workers > 0`` whose class uses torch's iter
 gets a ring iterator, with the options given to ``install``. Its batches, order, errors and
 resume state are those of torch's loader (the parity tests run the same jobs). Left alone:
 ``num_workers=0`` and classes with an iterator factory of their own (torchdata's
-``StatefulDataLoader``); ``shmloader.DataLoader`` keeps its own options.
+``StatefulDataLoader``); ``shmloader.DataLoader`` keeps its own options, and so does a
+framework's torch rebuild of one (found through its dataset). Without ``install``, a torch
+loader with workers over such a dataset warns once that the ring is not used.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from typing import Any, Callable, Iterator
 
@@ -25,6 +28,10 @@ from ._stats import LoaderStats
 
 _TORCH_GET_ITERATOR: Callable[[Any], Any] = torch.utils.data.DataLoader._get_iterator
 _options: dict[str, Any] | None = None
+# dataset -> the options of the shmloader.DataLoader built over it: a framework's rebuild of
+# that loader (same dataset, torch's class) keeps them under install(), or is warned about.
+_origins: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+_warned: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 # loader -> its latest ring iterator (torch keeps only a persistent one); weak both ways, so a
 # loader still pickles and nothing outlives it.
 _current: weakref.WeakKeyDictionary[Any, weakref.ref[RingIterator]] = weakref.WeakKeyDictionary()
@@ -39,14 +46,44 @@ def install(*, slot_bytes: int | None = None, device: str | torch.device | None 
     check_options(slot_bytes=slot_bytes, device_prefetch=device_prefetch, max_worker_restarts=max_worker_restarts)
     _options = dict(slot_bytes=slot_bytes, device=device, device_prefetch=device_prefetch,
                     memory_budget=memory_budget, max_worker_restarts=max_worker_restarts)
-    torch.utils.data.DataLoader._get_iterator = _get_iterator  # type: ignore[method-assign, assignment]
+    _watch()
 
 
 def uninstall() -> None:
     """Give torch's DataLoader its own iterators back (for loaders iterated from then on)."""
     global _options
     _options = None
-    torch.utils.data.DataLoader._get_iterator = _TORCH_GET_ITERATOR  # type: ignore[method-assign, assignment]
+    if not len(_origins):
+        torch.utils.data.DataLoader._get_iterator = _TORCH_GET_ITERATOR  # type: ignore[method-assign, assignment]
+
+
+def remember(loader: Any) -> None:
+    """Called by shmloader.DataLoader: a framework's torch rebuild of this loader keeps its
+    options under install(), and without it says that the ring is lost."""
+    try:
+        _origins[loader.dataset] = dict(slot_bytes=loader.slot_bytes, device=loader.device,
+                                        device_prefetch=loader.device_prefetch, memory_budget=loader.memory_budget,
+                                        max_worker_restarts=loader.max_worker_restarts)
+    except TypeError:  # a dataset that cannot be weakly referenced: nothing to carry
+        return
+    _watch()
+
+
+def _watch() -> None:
+    torch.utils.data.DataLoader._get_iterator = _get_iterator  # type: ignore[method-assign, assignment]
+
+
+def _origin(loader: Any) -> dict[str, Any] | None:
+    """The options of the shmloader.DataLoader whose dataset ``loader`` reads (directly, or
+    wrapped once, as Accelerate wraps an IterableDataset), if any."""
+    for dataset in (loader.dataset, getattr(loader.dataset, "dataset", None)):
+        try:
+            found = _origins.get(dataset)
+        except TypeError:
+            found = None
+        if found is not None:
+            return found
+    return None
 
 
 @contextlib.contextmanager
@@ -64,10 +101,15 @@ def is_installed() -> bool:
 
 
 def _get_iterator(loader: Any) -> Any:
-    if _options is None or loader.num_workers == 0 or isinstance(loader, DataLoader):
+    if loader.num_workers == 0 or isinstance(loader, DataLoader):
+        return _TORCH_GET_ITERATOR(loader)
+    origin = _origin(loader)
+    if _options is None:
+        if origin is not None:
+            _warn_lost(loader)
         return _TORCH_GET_ITERATOR(loader)
     if getattr(loader, "_shm_counters", None) is None:
-        attach_options(loader, **_options)
+        attach_options(loader, **(origin if origin is not None else _options))
     loader.check_worker_number_rationality()
     it = RingIterator(loader)
     _current[loader] = weakref.ref(it)
@@ -88,3 +130,20 @@ def stats(loader: Any) -> LoaderStats:
     ref = _current.get(loader)
     it = None if ref is None else ref()
     return stats_of(loader, None if it is None or it.shut_down else it)
+
+
+def _warn_lost(loader: Any) -> None:
+    try:
+        if _warned.get(loader.dataset):
+            return
+        _warned[loader.dataset] = True
+    except TypeError:
+        pass
+    warnings.warn(
+        "a torch DataLoader over the dataset of a shmloader.DataLoader will not use shmloader's ring: "
+        "frameworks rebuild loaders this way (Accelerate's prepare and skip_first_batches, transformers' "
+        "Trainer). Call shmloader.install() before it is iterated to keep the transport and the "
+        "shmloader.DataLoader's options (or ignore this if you built this torch loader yourself).",
+        UserWarning,
+        stacklevel=3,
+    )

@@ -167,6 +167,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         attach_options(self, slot_bytes=slot_bytes, device=device, device_prefetch=device_prefetch,
                        memory_budget=memory_budget, max_worker_restarts=max_worker_restarts)
         self._shm_iterators: weakref.WeakSet[RingIterator] = weakref.WeakSet()
+        from . import _install
+
+        _install.remember(self)
         self._shm_epoch_start: _checkpoint.EpochStart | None = None
         self._shm_current: weakref.ref[Any] | None = None
         self._shm_resume: dict[str, Any] | None = None

@@ -39,17 +39,21 @@ def test_reinstantiation_keeps_the_class_and_every_option() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="accelerate is not installed")
-def test_accelerate_prepare_rebuilds_a_torch_loader() -> None:
+def test_accelerate_prepare_without_install_warns_once_that_the_ring_is_lost() -> None:
     # Accelerate's prepare_data_loader builds its own DataLoaderShard (a torch DataLoader) from
-    # the attributes: batches are right, but shmloader's transport is not used (README says so).
+    # the attributes: batches are right, but without shmloader.install() the ring is not used,
+    # and the user is told so, once.
     from accelerate.data_loader import prepare_data_loader
 
     loader = shmloader.DataLoader(Range(40), batch_size=4, num_workers=2)
     shards = []
-    for rank in (0, 1):
-        prepared = prepare_data_loader(loader, num_processes=2, process_index=rank, put_on_device=False)
-        assert not isinstance(prepared, shmloader.DataLoader)
-        shards.append(sorted(int(v) for b in prepared for v in b.flatten()))
+    with pytest.warns(UserWarning, match=r"a torch DataLoader over the dataset of a shmloader.DataLoader will not "
+                                         r"use shmloader's ring: .* Call shmloader.install\(\)") as caught:
+        for rank in (0, 1):
+            prepared = prepare_data_loader(loader, num_processes=2, process_index=rank, put_on_device=False)
+            assert not isinstance(prepared, shmloader.DataLoader)
+            shards.append(sorted(int(v) for b in prepared for v in b.flatten()))
+    assert len([w for w in caught if "shmloader's ring" in str(w.message)]) == 1
     assert sorted(shards[0] + shards[1]) == list(range(40))
 
 

@@ -85,3 +85,15 @@ def test_accelerate_prepare_and_skip_first_batches_use_the_ring(ring: None) -> N
     skipped = skip_first_batches(prepared, 3)
     assert [b.flatten().tolist() for b in skipped] == got[3:]
     assert shmloader.stats(skipped).batches == 7
+
+
+@needs_accelerate
+def test_a_shmloader_loader_through_prepare_keeps_its_options(ring: None) -> None:
+    from accelerate import Accelerator
+
+    loader = shmloader.DataLoader(Range(40), batch_size=4, num_workers=2, slot_bytes=1 << 16,
+                                  memory_budget="8MiB", max_worker_restarts=7)
+    prepared = Accelerator(cpu=True).prepare(loader)
+    assert [b.flatten().tolist() for b in prepared] == [list(range(i, i + 4)) for i in range(0, 40, 4)]
+    assert (prepared.slot_bytes, prepared.memory_budget, prepared.max_worker_restarts) == (1 << 16, "8MiB", 7)
+    assert shmloader.stats(prepared).batches == 10
