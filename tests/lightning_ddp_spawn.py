@@ -9,7 +9,7 @@ import pathlib
 import sys
 from typing import Any
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])  # the repo, not tests/ (its datasets.py would shadow HF datasets)
 
 import lightning  # noqa: E402
 import torch  # noqa: E402

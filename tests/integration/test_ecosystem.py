@@ -89,3 +89,33 @@ def test_lightning_ddp_spawn_fits_from_a_shmloader_loader(tmp_path: Any) -> None
         assert rank["class"] == "shmloader._loader.DataLoader" and rank["ring_batches"] == 8
     assert not set(ranks[0]["seen"]) & set(ranks[1]["seen"])
     assert sorted(ranks[0]["seen"] + ranks[1]["seen"]) == list(range(64))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+def test_transformers_trainer_through_the_ring_and_resumed_mid_epoch(tmp_path: Any) -> None:
+    # Unmodified Trainer + shmloader.install(): every batch comes through the ring, the loss
+    # falls, and resuming from a mid-epoch checkpoint (step 15 of 24, epoch 2) trains on
+    # exactly the batches the uninterrupted run trained on after it.
+    import json
+    import pathlib
+    import shutil
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "transformers_trainer.py"
+
+    def train(out: pathlib.Path, mode: str) -> dict[str, Any]:
+        done = subprocess.run([sys.executable, str(script), str(out), "24", mode], capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads((out / "report.json").read_text())  # type: ignore[no-any-return]
+
+    whole = train(tmp_path / "whole", "fresh")
+    assert len(whole["seen"]) == 24 and all(whole["ring"])
+    first, last = whole["losses"][:4], whole["losses"][-4:]
+    assert sum(last) < sum(first)
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    shutil.copytree(tmp_path / "whole" / "checkpoint-15", resumed_dir / "checkpoint-15")
+    resumed = train(resumed_dir, "resume")
+    assert resumed["seen"] == whole["seen"][15:] and all(resumed["ring"])

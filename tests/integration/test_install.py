@@ -97,3 +97,4 @@ def test_a_shmloader_loader_through_prepare_keeps_its_options(ring: None) -> Non
     assert [b.flatten().tolist() for b in prepared] == [list(range(i, i + 4)) for i in range(0, 40, 4)]
     assert (prepared.slot_bytes, prepared.memory_budget, prepared.max_worker_restarts) == (1 << 16, "8MiB", 7)
     assert shmloader.stats(prepared).batches == 10
+
