@@ -41,7 +41,7 @@ from . import _checkpoint, _device
 from ._dispatch import Dispatcher
 from ._errors import CorruptSlotError, MemoryBudgetError, WorkerDiedError
 from ._budget import plan_ring
-from ._layout import DONE, IDLE, PAGE, RESIZE_TASK, C, F, Region, RingGeometry, Status, grown_slot_bytes, round_up
+from ._layout import IDLE, PAGE, RESIZE_TASK, C, F, Region, RingGeometry, Status, grown_slot_bytes, round_up
 from ._lease import Leases, Where, copy_leaf, leaves_of, read_batch, read_extra, read_meta, slot_of
 from ._overflow import OverflowArena
 from ._pool import WorkerPool
@@ -70,7 +70,6 @@ class RingIterator(_BaseDataLoaderIter):
         self._loader = weakref.ref(loader)
         self._in_order: bool = loader.in_order
         self._prefetch_factor: int = loader.prefetch_factor
-        self._num_slots: int = self._num_workers * self._prefetch_factor  # memory_budget may lower it
         self._slot_bytes: int | None = loader.slot_bytes
         self._batch_bytes: int | None = loader._shm_batch_bytes
         self._memory_budget: int | None = loader._shm_memory_budget
@@ -82,9 +81,10 @@ class RingIterator(_BaseDataLoaderIter):
         self._started = False
         self._deadline: float | None = None
         self._banked = 0
-        self._table = SlotTable(self._num_slots, self._num_workers)
+        wanted = self._num_workers * self._prefetch_factor  # memory_budget may lower it
+        self._table = SlotTable(wanted, self._num_workers)
         self._dispatcher = Dispatcher(self._num_workers, self._iterable, self._in_order)
-        self._leases = Leases(self._num_slots)
+        self._leases = Leases(wanted)
         self._arena = OverflowArena()
         self._overflow: dict[int, tuple[Any, int]] = {}  # slot -> (mapping, bytes) granted to its task
         self._piped: dict[int, bytes] = {}  # slot -> its (batch, dataset state), pickled over the pipe
@@ -101,7 +101,6 @@ class RingIterator(_BaseDataLoaderIter):
         self._fatal: BaseException | None = None  # what stopped the workers before the epoch ended
         resume: _checkpoint.IterableResume | None = loader._shm_resume_iterable
         ctx = loader.multiprocessing_context or torch.multiprocessing
-        self._start_method: str = ctx.get_start_method()
         self._doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         configs = [
             WorkerConfig(
@@ -269,7 +268,6 @@ class RingIterator(_BaseDataLoaderIter):
         if slot_bytes is not None and first is not None:  # slot_bytes= is a hint: a ring grown past it stays grown
             slot_bytes = max(slot_bytes, first)
         geometry = plan_ring(self._num_workers, self._prefetch_factor, first, slot_bytes, self._memory_budget)
-        self._num_slots = geometry.num_slots
         self._table = SlotTable(geometry.num_slots, self._num_workers, self._table.epoch)
         self._leases = Leases(geometry.num_slots)
         ring = Ring(geometry)

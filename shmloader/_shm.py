@@ -16,7 +16,6 @@ import posix_ipc
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "shmloader-"
-SEMAPHORE_PREFIX = "shml-"
 
 
 def new_name(prefix: str) -> str:
@@ -98,16 +97,5 @@ def attach_segment(name: str, size: int) -> mmap.mmap:
 def unlink_segment(name: str) -> None:
     try:
         posix_ipc.unlink_shared_memory(name)
-    except posix_ipc.ExistentialError:
-        pass
-
-
-def create_semaphore() -> posix_ipc.Semaphore:
-    return posix_ipc.Semaphore(new_name(SEMAPHORE_PREFIX), posix_ipc.O_CREX, mode=0o600, initial_value=0)
-
-
-def unlink_semaphore(sem: posix_ipc.Semaphore) -> None:
-    try:
-        sem.unlink()
     except posix_ipc.ExistentialError:
         pass

@@ -9,14 +9,12 @@ from typing import Any
 import pytest
 import torch
 
-from shmloader._shm import SEGMENT_PREFIX, SEMAPHORE_PREFIX, SHM_DIR
+from shmloader._shm import SEGMENT_PREFIX, SHM_DIR
 
 
 def ours() -> set[str]:
-    return {
-        n for n in os.listdir(SHM_DIR)
-        if n.startswith(SEGMENT_PREFIX) or n.startswith("sem." + SEMAPHORE_PREFIX)
-    }
+    """Our segments, and named semaphores of the kind shmloader once made (it makes none now)."""
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(SEGMENT_PREFIX) or n.startswith("sem.shml-")}
 
 
 @pytest.fixture(scope="session", autouse=True)
