@@ -28,10 +28,11 @@ from ._stats import LoaderStats
 
 _TORCH_GET_ITERATOR: Callable[[Any], Any] = torch.utils.data.DataLoader._get_iterator
 _options: dict[str, Any] | None = None
-# dataset -> the options of the shmloader.DataLoader built over it: a framework's rebuild of
-# that loader (same dataset, torch's class) keeps them under install(), or is warned about.
-_origins: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
-_warned: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+# id(dataset) -> [weak reference to it, the options of the shmloader.DataLoader built over it,
+# warned yet]: a framework's rebuild of that loader (same dataset, torch's class) keeps them
+# under install(), or is warned about once. Keyed by identity: a dataset's own __eq__ (a
+# tensor's is elementwise) is never called.
+_origins: dict[int, list[Any]] = {}
 # loader -> its latest ring iterator (torch keeps only a persistent one); weak both ways, so a
 # loader still pickles and nothing outlives it.
 _current: weakref.WeakKeyDictionary[Any, weakref.ref[RingIterator]] = weakref.WeakKeyDictionary()
@@ -60,12 +61,18 @@ def uninstall() -> None:
 def remember(loader: Any) -> None:
     """Called by shmloader.DataLoader: a framework's torch rebuild of this loader keeps its
     options under install(), and without it says that the ring is lost."""
+    dataset = loader.dataset
+    key = id(dataset)
+    def forget(_: Any, key: int = key) -> None:
+        _origins.pop(key, None)
+
     try:
-        _origins[loader.dataset] = dict(slot_bytes=loader.slot_bytes, device=loader.device,
-                                        device_prefetch=loader.device_prefetch, memory_budget=loader.memory_budget,
-                                        max_worker_restarts=loader.max_worker_restarts)
-    except TypeError:  # a dataset that cannot be weakly referenced: nothing to carry
+        ref = weakref.ref(dataset, forget)
+    except TypeError:  # a dataset that cannot be weakly referenced (a list): nothing to carry
         return
+    options = dict(slot_bytes=loader.slot_bytes, device=loader.device, device_prefetch=loader.device_prefetch,
+                   memory_budget=loader.memory_budget, max_worker_restarts=loader.max_worker_restarts)
+    _origins[key] = [ref, options, False]
     _watch()
 
 
@@ -73,16 +80,13 @@ def _watch() -> None:
     torch.utils.data.DataLoader._get_iterator = _get_iterator  # type: ignore[method-assign, assignment]
 
 
-def _origin(loader: Any) -> dict[str, Any] | None:
-    """The options of the shmloader.DataLoader whose dataset ``loader`` reads (directly, or
-    wrapped once, as Accelerate wraps an IterableDataset), if any."""
+def _origin(loader: Any) -> list[Any] | None:
+    """The registry entry of the shmloader.DataLoader whose dataset ``loader`` reads (directly,
+    or wrapped once, as Accelerate wraps an IterableDataset), if any."""
     for dataset in (loader.dataset, getattr(loader.dataset, "dataset", None)):
-        try:
-            found = _origins.get(dataset)
-        except TypeError:
-            found = None
-        if found is not None:
-            return found
+        entry = _origins.get(id(dataset))
+        if entry is not None and entry[0]() is dataset:
+            return entry
     return None
 
 
@@ -105,11 +109,12 @@ def _get_iterator(loader: Any) -> Any:
         return _TORCH_GET_ITERATOR(loader)
     origin = _origin(loader)
     if _options is None:
-        if origin is not None:
-            _warn_lost(loader)
+        if origin is not None and not origin[2]:
+            origin[2] = True
+            _warn_lost()
         return _TORCH_GET_ITERATOR(loader)
     if getattr(loader, "_shm_counters", None) is None:
-        attach_options(loader, **(origin if origin is not None else _options))
+        attach_options(loader, **(origin[1] if origin is not None else _options))
     loader.check_worker_number_rationality()
     it = RingIterator(loader)
     _current[loader] = weakref.ref(it)
@@ -132,13 +137,7 @@ def stats(loader: Any) -> LoaderStats:
     return stats_of(loader, None if it is None or it.shut_down else it)
 
 
-def _warn_lost(loader: Any) -> None:
-    try:
-        if _warned.get(loader.dataset):
-            return
-        _warned[loader.dataset] = True
-    except TypeError:
-        pass
+def _warn_lost() -> None:
     warnings.warn(
         "a torch DataLoader over the dataset of a shmloader.DataLoader will not use shmloader's ring: "
         "frameworks rebuild loaders this way (Accelerate's prepare and skip_first_batches, transformers' "

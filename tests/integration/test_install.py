@@ -98,3 +98,17 @@ def test_a_shmloader_loader_through_prepare_keeps_its_options(ring: None) -> Non
     assert (prepared.slot_bytes, prepared.memory_budget, prepared.max_worker_restarts) == (1 << 16, "8MiB", 7)
     assert shmloader.stats(prepared).batches == 10
 
+
+
+def test_a_tensor_dataset_shared_with_torch_loaders_warns_once_and_then_uses_the_ring() -> None:
+    # The registry keys datasets by identity: a tensor's elementwise == is never asked.
+    data = torch.arange(64.0).reshape(16, 4)
+    assert len(list(shmloader.DataLoader(data, batch_size=4, num_workers=2))) == 4
+    with pytest.warns(UserWarning, match="will not use shmloader's ring") as caught:
+        for _ in range(2):
+            assert len(list(tud.DataLoader(data, batch_size=4, num_workers=2))) == 4
+    assert len(caught) == 1
+    with shmloader.installed():
+        loader = tud.DataLoader(data, batch_size=4, num_workers=2)
+        assert torch.equal(torch.cat(list(loader)), data)
+        assert shmloader.stats(loader).batches == 4
