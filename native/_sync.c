@@ -35,39 +35,33 @@ static char *at(PyObject *buffer, Py_buffer *view, Py_ssize_t offset, Py_ssize_t
     return (char *)view->buf + offset;
 }
 
-PyDoc_STRVAR(sem_init_doc,
-"sem_init(buffer, offset, /)\n--\n\n"
-"Initialise a process-shared semaphore of value 0 at buffer[offset:offset+64].");
-
-static PyObject *py_sem_init(PyObject *self, PyObject *args) {
+/* Parse (buffer, offset), apply `op` to the semaphore there. */
+static PyObject *sem_call(PyObject *args, int (*op)(sem_t *)) {
     PyObject *buffer;
     Py_ssize_t offset;
     Py_buffer view;
     if (!PyArg_ParseTuple(args, "On", &buffer, &offset)) return NULL;
     char *p = at(buffer, &view, offset, SEM_STRIDE, 8);
     if (p == NULL) return NULL;
-    int rc = sem_init((sem_t *)p, 1, 0);
+    int rc = op((sem_t *)p);
     PyBuffer_Release(&view);
     if (rc != 0) return PyErr_SetFromErrno(PyExc_OSError);
     Py_RETURN_NONE;
 }
+
+static int init_shared(sem_t *sem) { return sem_init(sem, 1, 0); }
+
+PyDoc_STRVAR(sem_init_doc,
+"sem_init(buffer, offset, /)\n--\n\n"
+"Initialise a process-shared semaphore of value 0 at buffer[offset:offset+64].");
+
+static PyObject *py_sem_init(PyObject *self, PyObject *args) { return sem_call(args, init_shared); }
 
 PyDoc_STRVAR(sem_post_doc,
 "sem_post(buffer, offset, /)\n--\n\n"
 "Post the semaphore at buffer[offset] (a full memory barrier).");
 
-static PyObject *py_sem_post(PyObject *self, PyObject *args) {
-    PyObject *buffer;
-    Py_ssize_t offset;
-    Py_buffer view;
-    if (!PyArg_ParseTuple(args, "On", &buffer, &offset)) return NULL;
-    char *p = at(buffer, &view, offset, SEM_STRIDE, 8);
-    if (p == NULL) return NULL;
-    int rc = sem_post((sem_t *)p);
-    PyBuffer_Release(&view);
-    if (rc != 0) return PyErr_SetFromErrno(PyExc_OSError);
-    Py_RETURN_NONE;
-}
+static PyObject *py_sem_post(PyObject *self, PyObject *args) { return sem_call(args, sem_post); }
 
 PyDoc_STRVAR(sem_wait_doc,
 "sem_wait(buffer, offset, timeout, /)\n--\n\n"
