@@ -8,6 +8,7 @@ import asyncio
 import os
 import random
 import signal
+from typing import Any, Callable
 
 import pytest
 
@@ -30,6 +31,28 @@ def kill_one(it: shmloader._consume.RingIterator, rng: random.Random,
     os.kill(victim.pid, rng.choice(signals))
 
 
+def consume_blocks(loader: shmloader.DataLoader, after: Callable[[int, Any], None], mode: str) -> int:
+    """Iterate a Blocks loader with ``for`` or ``async for``, checking every word of every batch;
+    ``after(n, iterator)`` runs after the n-th batch. Returns the number of batches."""
+    async def consume() -> int:
+        n = 0
+        it = aiter(loader)
+        async for batch in it:
+            check_blocks(batch, 8 * n)
+            n += 1
+            after(n, it)
+        return n
+
+    if mode == "async":
+        return asyncio.run(consume())
+    n = 0
+    it = iter(loader)
+    for n, batch in enumerate(it, 1):
+        check_blocks(batch, 8 * (n - 1))
+        after(n, it)
+    return n
+
+
 def test_random_kills_sync(rng: random.Random) -> None:
     loader = shmloader.DataLoader(Blocks(2400), batch_size=8, num_workers=2, prefetch_factor=3,
                                   max_worker_restarts=100)
@@ -47,17 +70,11 @@ def test_random_kills_sync(rng: random.Random) -> None:
 def test_random_kills_async(rng: random.Random) -> None:
     loader = shmloader.DataLoader(Blocks(800), batch_size=8, num_workers=2, max_worker_restarts=100)
 
-    async def consume() -> int:
-        n = 0
-        it = aiter(loader)
-        async for batch in it:
-            check_blocks(batch, 8 * n)
-            n += 1
-            if n % 10 == 5:
-                kill_one(it, rng)  # type: ignore[arg-type]
-        return n
+    def after(n: int, it: shmloader._consume.RingIterator) -> None:
+        if n % 10 == 5:
+            kill_one(it, rng)
 
-    assert asyncio.run(consume()) == 100
+    assert consume_blocks(loader, after, "async") == 100
     assert 5 < loader.stats().worker_restarts <= 10
 
 
@@ -74,24 +91,7 @@ def test_kills_are_recovered_under_spawn_and_forkserver(rng: random.Random, cont
         if n in kill_at:
             kill_one(it, rng, (signal.SIGKILL, signal.SIGSEGV))
 
-    if mode == "sync":
-        it = iter(loader)
-        n = 0
-        for n, batch in enumerate(it, 1):
-            check_blocks(batch, 8 * (n - 1))
-            after(n, it)
-    else:
-        async def consume() -> int:
-            n = 0
-            it = aiter(loader)
-            async for batch in it:
-                check_blocks(batch, 8 * n)
-                n += 1
-                after(n, it)  # type: ignore[arg-type]
-            return n
-
-        n = asyncio.run(consume())
-    assert n == 60
+    assert consume_blocks(loader, after, mode) == 60
     assert 1 <= loader.stats().worker_restarts <= 3
 
 
