@@ -32,7 +32,7 @@ import time
 import warnings
 import weakref
 from multiprocessing import connection as mp_connection
-from typing import Any, Generator
+from typing import Any, Callable, Generator
 
 import torch
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
@@ -61,6 +61,8 @@ class RingIterator(_BaseDataLoaderIter):
 
     def __init__(self, loader: Any) -> None:
         super().__init__(loader)
+        # Called with this iterator when it is collected (set by _checkpoint: its progress).
+        self.last_words: Callable[[RingIterator], None] | None = None
         if loader._shm_resume_seed is not None:
             # Resuming an epoch that reused persistent workers: their base seed, and the
             # sampler RNG as that epoch found it (creating this iterator drew from it).
@@ -860,5 +862,9 @@ class RingIterator(_BaseDataLoaderIter):
             os.close(self._doorbell)
 
     def __del__(self) -> None:
+        last_words = getattr(self, "last_words", None)
+        if last_words is not None:
+            self.last_words = None
+            last_words(self)
         if not getattr(self, "_shutdown", True):
             self._shutdown_workers()

@@ -6,10 +6,13 @@ subclass cannot reach them. ``install`` replaces ``torch.utils.data.DataLoader._
 from then on every loader with ``num_workers > 0`` whose class uses torch's iterator factory
 gets a ring iterator, with the options given to ``install``. Its batches, order, errors and
 resume state are those of torch's loader (the parity tests run the same jobs). Left alone:
-``num_workers=0`` and classes with an iterator factory of their own (torchdata's
-``StatefulDataLoader``); ``shmloader.DataLoader`` keeps its own options, and so does a
-framework's torch rebuild of one (found through its dataset). Without ``install``, a torch
-loader with workers over such a dataset warns once that the ring is not used.
+``num_workers=0`` and classes with an iterator factory of their own, unless opted in: with
+``stateful_dataloader=True`` torchdata's ``StatefulDataLoader`` (what Accelerate builds with
+``use_stateful_dataloader=True``) uses the ring too, and its ``state_dict()`` /
+``load_state_dict()`` become shmloader.DataLoader's (same resume semantics). A
+``shmloader.DataLoader`` keeps its own options, and so does a framework's rebuild of one
+(found through its dataset). Without ``install``, a torch loader with workers over such a
+dataset warns once that the ring is not used.
 """
 
 from __future__ import annotations
@@ -22,12 +25,17 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.utils.data
 
+from . import _checkpoint
 from ._consume import RingIterator
 from ._loader import DataLoader, attach_options, check_options, stats_of
 from ._stats import LoaderStats
 
 _TORCH_GET_ITERATOR: Callable[[Any], Any] = torch.utils.data.DataLoader._get_iterator
 _options: dict[str, Any] | None = None
+_stateful = False  # install(stateful_dataloader=True): torchdata's StatefulDataLoader opted in
+# StatefulDataLoader's own methods, while install(stateful_dataloader=True) replaces them.
+_STATEFUL_METHODS = ("_get_iterator", "__iter__", "state_dict", "load_state_dict")
+_stateful_own: dict[str, Any] = {}
 # id(dataset) -> [weak reference to it, the options of the shmloader.DataLoader built over it,
 # warned yet]: a framework's rebuild of that loader (same dataset, torch's class) keeps them
 # under install(), or is warned about once. Keyed by identity: a dataset's own __eq__ (a
@@ -39,23 +47,85 @@ _current: weakref.WeakKeyDictionary[Any, weakref.ref[RingIterator]] = weakref.We
 
 
 def install(*, slot_bytes: int | None = None, device: str | torch.device | None = None, device_prefetch: int = 2,
-            memory_budget: int | str | None = None, max_worker_restarts: int = 3) -> None:
+            memory_budget: int | str | None = None, max_worker_restarts: int = 3,
+            stateful_dataloader: bool = False) -> None:
     """Make every ``torch.utils.data.DataLoader`` with workers carry its batches through a
     shmloader ring, with these options (shmloader.DataLoader's, same meaning and defaults).
-    Calling it again replaces the options for loaders iterated from then on."""
+    ``stateful_dataloader=True`` opts torchdata's ``StatefulDataLoader`` in as well: its
+    ``state_dict()`` is then shmloader's (a state taken under torchdata's own iterator is
+    refused with a ValueError). Calling it again replaces the options for loaders iterated
+    from then on."""
     global _options
     check_options(slot_bytes=slot_bytes, device_prefetch=device_prefetch, max_worker_restarts=max_worker_restarts)
     _options = dict(slot_bytes=slot_bytes, device=device, device_prefetch=device_prefetch,
                     memory_budget=memory_budget, max_worker_restarts=max_worker_restarts)
     _watch()
+    _opt_in_stateful(stateful_dataloader)
 
 
 def uninstall() -> None:
-    """Give torch's DataLoader its own iterators back (for loaders iterated from then on)."""
+    """Give torch's DataLoader (and torchdata's StatefulDataLoader) their own iterators back
+    (for loaders iterated from then on)."""
     global _options
     _options = None
+    _opt_in_stateful(False)
     if not len(_origins):
         torch.utils.data.DataLoader._get_iterator = _TORCH_GET_ITERATOR  # type: ignore[method-assign, assignment]
+
+
+def _opt_in_stateful(on: bool) -> None:
+    """Replace (or give back) StatefulDataLoader's iterator factory and state methods."""
+    global _stateful
+    if on == _stateful:
+        return
+    try:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ImportError:
+        if on:
+            raise ImportError("install(stateful_dataloader=True) needs torchdata (pip install torchdata)") from None
+        return
+    if on:
+        _stateful_own.update((name, StatefulDataLoader.__dict__[name]) for name in _STATEFUL_METHODS)
+        ours = (_stateful_get_iterator, _stateful_iter, _stateful_state_dict, _stateful_load_state_dict)
+        for name, method in zip(_STATEFUL_METHODS, ours):
+            setattr(StatefulDataLoader, name, method)
+    else:
+        for name, method in _stateful_own.items():
+            setattr(StatefulDataLoader, name, method)
+    _stateful = on
+
+
+def _carried(loader: Any) -> bool:
+    """A StatefulDataLoader that uses the ring: workers, and install(stateful_dataloader=True)
+    in force. Its options come from install(), or from the shmloader.DataLoader it rebuilds."""
+    if not _stateful or loader.num_workers == 0:
+        return False
+    if getattr(loader, "_shm_counters", None) is None:
+        origin = _origin(loader)
+        attach_options(loader, **(origin[1] if origin is not None else _options or {}))
+    return True
+
+
+def _stateful_get_iterator(loader: Any) -> Any:
+    return _get_iterator(loader) if _carried(loader) else _stateful_own["_get_iterator"](loader)
+
+
+def _stateful_iter(loader: Any) -> Any:
+    if not _carried(loader):
+        return _stateful_own["__iter__"](loader)
+    return _checkpoint.begin_epoch(loader, lambda: torch.utils.data.DataLoader.__iter__(loader))
+
+
+def _stateful_state_dict(loader: Any) -> dict[str, Any]:
+    if not _carried(loader):
+        return _stateful_own["state_dict"](loader)  # type: ignore[no-any-return]
+    return _checkpoint.loader_state(loader)
+
+
+def _stateful_load_state_dict(loader: Any, state: dict[str, Any]) -> None:
+    if not _carried(loader):
+        return _stateful_own["load_state_dict"](loader, state)  # type: ignore[no-any-return]
+    _checkpoint.load_loader_state(loader, state)
 
 
 def remember(loader: Any) -> None:

@@ -8,13 +8,11 @@ torch's own. Only the multi-process iterator is replaced (``_get_iterator``), an
 
 from __future__ import annotations
 
-import pickle
 import weakref
 from typing import Any, AsyncIterator, TypeVar
 
 import torch
 import torch.utils.data
-from torch.utils.data.dataloader import _DatasetKind
 
 from . import _checkpoint, _device
 from ._budget import parse_size
@@ -50,6 +48,8 @@ def attach_options(loader: Any, *, slot_bytes: int | None = None, device: str | 
     loader._shm_batch_bytes = None  # the slot size rings start at (measured, then grown)
     loader._shm_resume_seed = None  # read by RingIterator
     loader._shm_resume_iterable = None  # read by RingIterator
+    loader._shm_epoch_start = None  # _checkpoint's: where the current epoch began
+    loader._shm_resume = None  # _checkpoint's: the state the next iter() resumes from
 
 
 def stats_of(loader: Any, it: Any) -> LoaderStats:
@@ -118,6 +118,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     device_prefetch: int
     _shm_resume_seed: tuple[int, torch.Tensor] | None
     _shm_resume_iterable: _checkpoint.IterableResume | None
+    _shm_epoch_start: _checkpoint.EpochStart | None
+    _shm_resume: dict[str, Any] | None
 
     def __init__(
         self,
@@ -170,16 +172,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         from . import _install
 
         _install.remember(self)
-        self._shm_epoch_start: _checkpoint.EpochStart | None = None
-        self._shm_current: weakref.ref[Any] | None = None
-        self._shm_resume: dict[str, Any] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle and deepcopy as torch's loader does: every setting; a live iterator refuses
         (as torch's does), and the weak references to this loader's iterators are not data."""
         state = self.__dict__.copy()
         state["_shm_iterators"] = None
-        state["_shm_current"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -195,66 +193,17 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         return it
 
     def __iter__(self) -> Any:
-        it = self._iterator
-        if isinstance(it, RingIterator) and it.shut_down:
-            self._iterator = None  # an error stopped the persistent workers: start afresh
-        persistent = self.persistent_workers and self.num_workers > 0
-        resume, self._shm_resume = self._shm_resume, None
-        if resume is None:
-            previous = self._shm_epoch_start
-            start = _checkpoint.EpochStart(
-                epoch=0 if previous is None else previous.epoch + 1,
-                rng=_checkpoint.rng_state(self.generator),
-                fresh=not (persistent and self._iterator is not None),
-            )
-        else:
-            start = _checkpoint.EpochStart(resume["epoch"], resume["rng"], resume["fresh"], resume["base_seed"])
-            _checkpoint.set_rng_state(self.generator, start.rng)
-            if not start.fresh and start.base_seed is not None:
-                # The original epoch reused a persistent iterator: no new base seed was drawn.
-                self._shm_resume_seed = (start.base_seed, start.rng)
-        iterable_state = None if resume is None else resume["iterable"]
-        if iterable_state is not None:
-            if self.num_workers == 0:
-                getattr(self.dataset, "load_state_dict")(pickle.loads(iterable_state["dataset_states"][0])["state"])
-            else:
-                self._shm_resume_iterable = _checkpoint.IterableResume.from_state(iterable_state)
-        try:
-            it = super().__iter__()
-        finally:
-            self._shm_resume_seed = None
-            self._shm_resume_iterable = None
-        if start.fresh:
-            start.base_seed = getattr(it, "_base_seed", None)
-        elif start.base_seed is None:
-            start.base_seed = getattr(it, "_base_seed", None)
-        self._shm_epoch_start = start
-        self._shm_current = weakref.ref(it)
-        if resume is not None:
-            if iterable_state is not None:  # the dataset's own state already holds the position
-                it._num_yielded = resume["yielded"]
-                fetcher = getattr(it, "_dataset_fetcher", None)  # in process: was the epoch over?
-                if fetcher is not None and pickle.loads(iterable_state["dataset_states"][0])["ended"]:
-                    fetcher.ended = True
-            else:
-                _checkpoint.fast_forward(it, resume["yielded"], self._dataset_kind == _DatasetKind.Iterable)
-        return it
+        return _checkpoint.begin_epoch(self, super().__iter__)
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is: load it into a fresh loader (same dataset and arguments) to
         continue with exactly the remaining batches of the epoch, then the following epochs.
         Cheap: the workers are not paused and nothing is loaded."""
-        it = None if self._shm_current is None else self._shm_current()
-        persistent = self.persistent_workers and self.num_workers > 0
-        return _checkpoint.make_state(self._shm_epoch_start, it, self.generator, persistent, self.dataset)
+        return _checkpoint.loader_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next ``iter(loader)`` continue from ``state`` (see ``state_dict``)."""
-        _checkpoint.check_state(state)
-        if isinstance(self._iterator, RingIterator):
-            self._iterator._shutdown_workers()  # a persistent iterator cannot be rewound
-        self._iterator = None
-        self._shm_resume = state
+        _checkpoint.load_loader_state(self, state)
 
     def __aiter__(self) -> AsyncIterator[Any]:
         """``async for batch in loader``: waits on the running event loop, never blocks it

@@ -57,10 +57,12 @@ def test_resume_equals_uninterrupted(kind: str, persistent: bool, cut: tuple[int
     it = iter(first)
     head = [next(it).flatten().tolist() for _ in range(k)]
     state = pickle.loads(pickle.dumps(first.state_dict()))  # it must survive a checkpoint file
+    program_rng = torch.get_rng_state()  # checkpointed with it, as Accelerate, Lightning and Trainer do
     del it
     close(first)
 
-    torch.manual_seed(1234)  # the resumed process's global RNG is somewhere else entirely
+    torch.manual_seed(1234)  # the resumed process's global RNG is somewhere else entirely...
+    torch.set_rng_state(program_rng)  # ...until the program restores its own
     resumed = make()
     resumed.load_state_dict(state)
     rest = [[b.flatten().tolist() for b in resumed]]
@@ -70,6 +72,51 @@ def test_resume_equals_uninterrupted(kind: str, persistent: bool, cut: tuple[int
         got = before + [head] + rest + epochs_of(resumed, EPOCHS - cut_epoch - 2)
     else:
         got = before + [head + rest[0]] + epochs_of(resumed, EPOCHS - cut_epoch - 1)
+    close(resumed)
+    assert got == want
+
+
+def train(loader: shmloader.DataLoader, steps: int | None, log: list[tuple[list[int], float]]) -> None:
+    """Up to ``steps`` batches of one epoch (then ``break``: a non-persistent iterator is
+    dropped before the state is taken), each followed by a draw of the program's own from
+    torch's global RNG (as dropout makes)."""
+    for i, batch in enumerate(loader):
+        log.append((batch.flatten().tolist(), torch.rand(()).item()))
+        if i + 1 == steps:
+            break
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("k", [0, 3])
+def test_the_programs_own_draws_continue_after_a_resume(workers: int, persistent: bool, k: int) -> None:
+    # Without a generator the loader shares torch's global RNG with the program, which
+    # checkpoints and restores it: resuming remakes the epoch's draws without moving it, so the
+    # program's own draws after the resume, and the next epoch's shuffle, are the
+    # uninterrupted run's.
+    make = factory("shuffle-global", persistent, workers)
+    torch.manual_seed(0)
+    reference = make()
+    want: list[tuple[list[int], float]] = []
+    for _ in range(2):
+        train(reference, None, want)
+    close(reference)
+
+    torch.manual_seed(0)
+    first = make()
+    got: list[tuple[list[int], float]] = []
+    if k:
+        train(first, k, got)
+    else:
+        it = iter(first)  # an epoch started, nothing taken yet
+    state, program_rng = first.state_dict(), torch.get_rng_state()
+    close(first)
+    torch.manual_seed(1234)
+    torch.set_rng_state(program_rng)
+    resumed = make()
+    resumed.load_state_dict(state)
+    for _ in range(2):
+        train(resumed, None, got)
     close(resumed)
     assert got == want
 

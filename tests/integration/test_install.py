@@ -19,7 +19,10 @@ from tests.conftest import same
 from tests.datasets import Augmented, Range, Tokens, pad_collate
 from tests.integration.test_errors import job, outcomes
 
-needs_accelerate = pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="accelerate is not installed")
+needs_accelerate = pytest.mark.skipif(
+    importlib.util.find_spec("accelerate") is None or importlib.util.find_spec("torchdata") is None,
+    reason="accelerate and torchdata are not installed",
+)
 
 
 @pytest.fixture
@@ -97,6 +100,107 @@ def test_a_shmloader_loader_through_prepare_keeps_its_options(ring: None) -> Non
     assert [b.flatten().tolist() for b in prepared] == [list(range(i, i + 4)) for i in range(0, 40, 4)]
     assert (prepared.slot_bytes, prepared.memory_budget, prepared.max_worker_restarts) == (1 << 16, "8MiB", 7)
     assert shmloader.stats(prepared).batches == 10
+
+
+
+Log = list[tuple[list[int], float]]
+
+
+def accelerate_job(stateful: bool) -> tuple[Any, Any]:
+    """What an Accelerate training script builds, the same in the first run and in the resumed
+    one: a seeded Accelerator (seedable sampler, so the epoch's shuffle follows set_epoch) and a
+    shuffled torch DataLoader with workers, prepared."""
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.utils import set_seed
+
+    set_seed(0)
+    config = DataLoaderConfiguration(use_seedable_sampler=True, use_stateful_dataloader=stateful)
+    accelerator = Accelerator(cpu=True, dataloader_config=config)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = tud.DataLoader(Range(40), batch_size=4, shuffle=True, num_workers=2)
+    return accelerator, accelerator.prepare(model, optimizer, loader)[2]
+
+
+def train(loader: Any, log: Log, steps: int | None = None) -> None:
+    """Up to ``steps`` batches, each followed by a draw from torch's global RNG (dropout's)."""
+    for i, batch in enumerate(loader):
+        log.append((batch.flatten().tolist(), torch.rand(()).item()))
+        if i + 1 == steps:
+            return
+
+
+def accelerate_resume(stateful: bool, checkpoint: Any) -> tuple[Log, Log, Any]:
+    """Epochs 0-2 uninterrupted; then again, saved with save_state after 3 batches of epoch 1
+    and resumed by a fresh script with load_state: Accelerate's stateful-loader recipe, or its
+    skip_first_batches one. Returns both logs and the resumed loader."""
+    from accelerate import skip_first_batches
+
+    _, loader = accelerate_job(stateful)
+    want: Log = []
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        train(loader, want)
+
+    accelerator, loader = accelerate_job(stateful)
+    got: Log = []
+    train(loader, got)
+    loader.set_epoch(1)
+    train(loader, got, steps=3)
+    accelerator.save_state(checkpoint)
+
+    torch.manual_seed(1234)  # the resumed script's RNG starts anywhere: load_state sets it
+    accelerator, loader = accelerate_job(stateful)
+    accelerator.load_state(checkpoint)
+    loader.set_epoch(1)
+    train(loader if stateful else skip_first_batches(loader, 3), got)
+    loader.set_epoch(2)
+    train(loader, got)
+    return want, got, loader
+
+
+@needs_accelerate
+@pytest.mark.parametrize("stateful", [True, False], ids=["use_stateful_dataloader", "skip_first_batches"])
+def test_accelerate_save_state_load_state_resume_mid_epoch_exactly(stateful: bool, tmp_path: Any) -> None:
+    with shmloader.installed(stateful_dataloader=True):
+        want, got, loader = accelerate_resume(stateful, tmp_path / "ring")
+        assert shmloader.stats(loader).batches > 0
+    assert [b for b, _ in got] == [b for b, _ in want]
+    if stateful:
+        # The loader's state brings the RNG back to where it was saved: the training's own
+        # draws after the resume are the uninterrupted run's too.
+        assert got == want
+    # The same job through torch's own DataLoader (no ring; resumed with skip_first_batches).
+    # Not torchdata's iterator: under Accelerate it starts epoch 0 before prepare() installs the
+    # seedable sampler (its state_dict() in DataLoaderShard's constructor starts the iterator),
+    # so its epoch 0 is not the configured shuffle.
+    torch_want, torch_got, _ = accelerate_resume(False, tmp_path / "torch")
+    assert [b for b, _ in torch_want] == [b for b, _ in want]
+    assert [b for b, _ in torch_got] == [b for b, _ in got]
+
+
+@needs_accelerate
+def test_a_stateful_dataloader_is_left_alone_unless_opted_in(ring: None) -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    loader = StatefulDataLoader(Range(8), batch_size=2, num_workers=2)
+    assert [b.flatten().tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    torchdata_state = loader.state_dict()
+    assert not isinstance(loader._iterator, RingIterator) and "_snapshot" in torchdata_state
+    del loader
+    with shmloader.installed(stateful_dataloader=True):
+        opted = StatefulDataLoader(Range(8), batch_size=2, num_workers=2)
+        it = iter(opted)
+        assert [next(it).flatten().tolist() for _ in range(2)] == [[0, 1], [2, 3]]
+        state = opted.state_dict()
+        assert isinstance(it, RingIterator) and state["yielded"] == 2
+        with pytest.raises(ValueError, match="not a shmloader DataLoader state dict.*torchdata's StatefulDataLoader state"):
+            opted.load_state_dict(torchdata_state)  # torchdata's own format: refused, clearly
+        del it
+        resumed = StatefulDataLoader(Range(8), batch_size=2, num_workers=2)
+        resumed.load_state_dict(state)
+        assert [b.flatten().tolist() for b in resumed] == [[4, 5], [6, 7]]
+    assert StatefulDataLoader.state_dict.__module__.startswith("torchdata")  # given back
 
 
 
