@@ -17,6 +17,7 @@
 #include <errno.h>
 #include <semaphore.h>
 #include <stdint.h>
+#include <string.h>
 #include <time.h>
 
 #define SEM_STRIDE 64 /* bytes reserved per semaphore in the control area */
@@ -146,7 +147,122 @@ static PyObject *py_store_release(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(post_task_doc,
+"post_task(buffer, header, fields, payload, data, entry, slot, sem, /)\n--\n\n"
+"Hand a task to a worker in one call: store the int64 values of `fields` at buffer[header:]\n"
+"(the task's header fields, in order), copy `payload` (the pickled index) to buffer[data:],\n"
+"store `slot` at buffer[entry] (the worker's queue entry), then post the semaphore at\n"
+"buffer[sem] (a full barrier: the worker sees every write once it takes the token).");
+
+static PyObject *py_post_task(PyObject *self, PyObject *args) {
+    PyObject *buffer, *fields;
+    Py_ssize_t header, data, entry, sem_off;
+    long long slot;
+    Py_buffer view, payload;
+    if (!PyArg_ParseTuple(args, "OnOy*nnLn", &buffer, &header, &fields, &payload, &data, &entry, &slot, &sem_off))
+        return NULL;
+    PyObject *seq = PySequence_Fast(fields, "fields must be a sequence of ints");
+    if (seq == NULL) {
+        PyBuffer_Release(&payload);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *result = NULL;
+    char *h = at(buffer, &view, header, n * 8, 8);
+    if (h == NULL) goto done;
+    if (sem_off < 0 || sem_off > view.len - SEM_STRIDE || sem_off % 8 || entry < 0 || entry > view.len - 8 ||
+        entry % 8 || data < 0 || data > view.len - payload.len) {
+        PyErr_SetString(PyExc_ValueError, "post_task: an offset lies outside the buffer or is misaligned");
+        goto release;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (v == -1 && PyErr_Occurred()) goto release;
+        ((int64_t *)h)[i] = (int64_t)v;
+    }
+    memcpy((char *)view.buf + data, payload.buf, (size_t)payload.len);
+    *(int64_t *)((char *)view.buf + entry) = (int64_t)slot;
+    if (sem_post((sem_t *)((char *)view.buf + sem_off)) != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto release;
+    }
+    Py_INCREF(Py_None);
+    result = Py_None;
+release:
+    PyBuffer_Release(&view);
+done:
+    Py_DECREF(seq);
+    PyBuffer_Release(&payload);
+    return result;
+}
+
+PyDoc_STRVAR(publish_doc,
+"publish(buffer, header, first, fields, state, done, sem, flag, /)\n--\n\n"
+"Publish a slot's result in one call: store the int64 values of `fields` at the header's\n"
+"fields first, first+1, ...; store `done` at buffer[state] with release ordering; post the\n"
+"semaphore at buffer[sem]; then return the int64 at buffer[flag], read after a full fence\n"
+"(nonzero: an asynchronous consumer waits and wants its doorbell rung).");
+
+static PyObject *py_publish(PyObject *self, PyObject *args) {
+    PyObject *buffer, *fields;
+    Py_ssize_t header, first, state, sem_off, flag;
+    long long done;
+    Py_buffer view;
+    if (!PyArg_ParseTuple(args, "OnnOnLnn", &buffer, &header, &first, &fields, &state, &done, &sem_off, &flag))
+        return NULL;
+    PyObject *seq = PySequence_Fast(fields, "fields must be a sequence of ints");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *result = NULL;
+    char *h = at(buffer, &view, header + first * 8, n * 8, 8);
+    if (h == NULL) goto done;
+    if (state < 0 || state > view.len - 8 || state % 8 || sem_off < 0 || sem_off > view.len - SEM_STRIDE ||
+        sem_off % 8 || flag < 0 || flag > view.len - 8 || flag % 8) {
+        PyErr_SetString(PyExc_ValueError, "publish: an offset lies outside the buffer or is misaligned");
+        goto release;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (v == -1 && PyErr_Occurred()) goto release;
+        ((int64_t *)h)[i] = (int64_t)v;
+    }
+    __atomic_store_n((int64_t *)((char *)view.buf + state), (int64_t)done, __ATOMIC_RELEASE);
+    if (sem_post((sem_t *)((char *)view.buf + sem_off)) != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto release;
+    }
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    result = PyLong_FromLongLong(__atomic_load_n((int64_t *)((char *)view.buf + flag), __ATOMIC_RELAXED));
+release:
+    PyBuffer_Release(&view);
+done:
+    Py_DECREF(seq);
+    return result;
+}
+
+PyDoc_STRVAR(store_fenced_doc,
+"store_fenced(buffer, offset, value, /)\n--\n\n"
+"Store the int64 value at buffer[offset], then a full fence: a later read (of a semaphore)\n"
+"cannot pass it, so a publisher that posts and then reads this word sees it, or is seen.");
+
+static PyObject *py_store_fenced(PyObject *self, PyObject *args) {
+    PyObject *buffer;
+    Py_ssize_t offset;
+    long long value;
+    Py_buffer view;
+    if (!PyArg_ParseTuple(args, "OnL", &buffer, &offset, &value)) return NULL;
+    char *p = at(buffer, &view, offset, 8, 8);
+    if (p == NULL) return NULL;
+    __atomic_store_n((int64_t *)p, (int64_t)value, __ATOMIC_SEQ_CST);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
 PyMethodDef shmloader_sync_methods[] = {
+    {"post_task", py_post_task, METH_VARARGS, post_task_doc},
+    {"publish", py_publish, METH_VARARGS, publish_doc},
+    {"store_fenced", py_store_fenced, METH_VARARGS, store_fenced_doc},
     {"sem_init", py_sem_init, METH_VARARGS, sem_init_doc},
     {"sem_post", py_sem_post, METH_VARARGS, sem_post_doc},
     {"sem_wait", py_sem_wait, METH_VARARGS, sem_wait_doc},

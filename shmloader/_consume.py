@@ -53,6 +53,8 @@ from ._worker import WorkerConfig
 CHECK_S = 0.25  # how often a blocked sync wait checks worker liveness
 PARENT_CHECK_S = 0.5  # how often an idle worker checks that this process lives
 _END = object()
+_GROW = object()  # the ring must grow before anything else is dispatched
+_COPY = ("copy",)  # wait for the oldest device copy to complete
 _READY = ("ready",)
 
 
@@ -186,46 +188,66 @@ class RingIterator(_BaseDataLoaderIter):
         if not self._started and not self._sampler_done:
             yield from self._start()
         while True:
-            stager = self._stager
-            if self._ring is not None:
-                table = self._table
-                for returned in self._leases.take_returned():
-                    table.give_back(returned)
-                if stager is not None:
-                    self._copied(stager.reap())
-                self._collect()
-                self._grant()
-                if self._grow_to is not None and not table.busy() and not (stager and stager.copying):
-                    yield from self._grow()
-                    continue
-                self._dispatch()
-                if stager is None:
-                    slot = self._take_next()
-                    if slot is not None:
-                        return self._deliver(slot)
-                else:
-                    try:
-                        while stager.has_room() and (slot := self._take_next()) is not None:
-                            where = self._overflow_where(slot)
-                            self._counters.overflow_batches += where is not None
-                            self._counters.bytes += stager.stage(self._ring, slot, self._note(slot), where)
-                    except Exception as error:
-                        if not stager.staged or not self._raising_batch_error:
-                            raise
-                        self._raising_batch_error = False
-                        self._pending_error = error  # raised in its turn, after the staged batches
-                    if stager.staged:
-                        return self._pop_staged()
-            if self._sampler_done and not self._table.outstanding and not self._table.ready:
-                if not self._persistent_workers:
-                    self._shutdown_workers()
-                return _END
+            result = self._round()
+            if result is _GROW:
+                yield from self._grow()
+                continue
+            if result is not None and result is not _COPY:
+                return result
             self._check()
-            if stager is not None and stager.copying and not self._table.free:
-                # Every slot is copying or staged: only a copy's completion frees one.
-                self._copied(stager.reap(block=True))
+            stager = self._stager
+            if result is _COPY or (stager is not None and stager.copying and not self._table.free):
+                # Every slot is copying or staged (or the epoch ends with copies running): only
+                # a copy's completion moves on. Waited for without blocking an event loop.
+                yield _COPY
                 continue
             yield _READY
+
+    def _round(self) -> Any:
+        """One pass that never waits: take back returned slots, collect published ones, grant
+        overflow memory, dispatch tasks, and deliver the next batch if it is ready. Returns
+        the batch, ``_END``, ``_GROW`` (the ring must grow first) or None (nothing yet)."""
+        stager = self._stager
+        if self._ring is not None:
+            table = self._table
+            leases = self._leases
+            if leases.returned:
+                for returned in leases.take_returned():
+                    table.give_back(returned)
+            if stager is not None:
+                self._copied(stager.reap())
+            self._collect()
+            if table.waiting_count:
+                self._grant()
+            else:
+                self._awaiting_room = False
+            if self._grow_to is not None and not table.busy() and not (stager and stager.copying):
+                return _GROW
+            self._dispatch()
+            if stager is None:
+                slot = self._take_next()
+                if slot is not None:
+                    return self._deliver(slot)
+            else:
+                try:
+                    while stager.has_room() and (slot := self._take_next()) is not None:
+                        where = self._overflow_where(slot)
+                        self._counters.overflow_batches += where is not None
+                        self._counters.bytes += stager.stage(self._ring, slot, self._note(slot), where)
+                except Exception as error:
+                    if not stager.staged or not self._raising_batch_error:
+                        raise
+                    self._raising_batch_error = False
+                    self._pending_error = error  # raised in its turn, after the staged batches
+                if stager.staged:
+                    return self._pop_staged()
+        if self._sampler_done and not self._table.outstanding and not self._table.ready:
+            if not self._persistent_workers:
+                if stager is not None and stager.copying:
+                    return _COPY  # shutting down waits for them: let them finish first
+                self._shutdown_workers()
+            return _END
+        return None
 
     def _copied(self, slots: list[int]) -> None:
         """Device copies out of ``slots`` completed: the slots (and their overflow memory) return."""
@@ -709,12 +731,15 @@ class RingIterator(_BaseDataLoaderIter):
 
     def _next_data(self) -> Any:
         asked = self._counters.requested()
-        steps = self._steps()
         try:
-            request = next(steps)
-            while True:
-                self._block(request)
+            # The steady state: a batch is ready, nothing pending; no generator is needed.
+            result = self._round() if self._steady() else None
+            if result is None or result is _GROW:
+                steps = self._steps()
                 request = next(steps)
+                while True:
+                    self._block(request)
+                    request = next(steps)
         except StopIteration as stop:
             result = stop.value
         except BaseException as exc:
@@ -727,6 +752,11 @@ class RingIterator(_BaseDataLoaderIter):
             raise StopIteration
         return result
 
+    def _steady(self) -> bool:
+        """Whether ``_round`` may run without ``_steps``' preamble (started, running, nothing
+        staged or pending)."""
+        return self._started and not self._shutdown and self._stager is None and self._pending_error is None
+
     def _failed(self, exc: BaseException) -> None:
         """``exc`` leaves ``next()``: one batch's error leaves the loader running; anything else
         stops the workers, and later ``next()`` calls say why."""
@@ -738,7 +768,10 @@ class RingIterator(_BaseDataLoaderIter):
         self._shutdown_workers()
 
     def _block(self, request: tuple[Any, ...]) -> None:
-        if request is _READY:
+        if request is _COPY:
+            assert self._stager is not None
+            self._copied(self._stager.reap(block=True))
+        elif request is _READY:
             assert self._ring is not None
             if self._ring.take_ready(CHECK_S):  # a signal's handler (Ctrl-C) raises through it
                 self._banked += 1
@@ -776,14 +809,21 @@ class RingIterator(_BaseDataLoaderIter):
         return result
 
     async def _await(self, request: tuple[Any, ...]) -> None:
+        if request is _COPY:
+            await self._await_copy()
+            return
         loop = asyncio.get_running_loop()
+        ring = None
         if request is _READY:
-            assert self._ring is not None
+            ring = self._ring
+            assert ring is not None
+            ring.want_doorbell(True)  # workers ring the doorbell only while we wait on it
             try:  # drain before the last check, so a post after the check still wakes us
                 os.eventfd_read(self._doorbell)
             except BlockingIOError:
                 pass
-            if self._ring.take_ready(0):
+            if ring.take_ready(0):
+                ring.want_doorbell(False)
                 self._banked += 1
                 return
             fds = [self._doorbell]
@@ -808,6 +848,21 @@ class RingIterator(_BaseDataLoaderIter):
                 loop.remove_reader(fd)
             if timer is not None:
                 timer.cancel()
+            if ring is not None and not self._shutdown:
+                ring.want_doorbell(False)
+
+    async def _await_copy(self) -> None:
+        """Wait for the oldest device copy without blocking the event loop: its CUDA event is
+        queried from the loop, at intervals that grow from 50 µs to 2 ms (a copy of a large
+        batch takes milliseconds; a small one is seen at once). Dead workers and the timeout
+        are checked meanwhile."""
+        stager = self._stager
+        assert stager is not None
+        delay = 50e-6
+        while stager.copying and not stager.copying[0][0].query():
+            self._check()
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 2e-3)
 
     # ------------------------------------------------------------ release
     def release(self, batch: Any) -> int:

@@ -47,16 +47,14 @@ class Dispatcher:
         """Write the task into ``slot`` and queue it for worker ``wid``; an index too large for
         the slot goes over the worker's connection (``send``) instead. Returns its size."""
         payload = pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
+        if len(payload) <= ring.geometry.data_bytes:
+            ring.post_task(wid, slot, epoch, seq, payload)
+            return len(payload)
         hdr = ring.headers[slot]
         hdr[F.STATE] = IDLE
         hdr[F.EPOCH] = epoch
         hdr[F.SEQ] = seq
-        if len(payload) > ring.geometry.data_bytes:
-            hdr[F.TASK_LEN] = -1
-            send(wid, ("index", slot, payload))
-        else:
-            hdr[F.TASK_LEN] = len(payload)
-            start = ring.data_offsets[slot]
-            ring.mm[start : start + len(payload)] = payload
+        hdr[F.TASK_LEN] = -1
+        send(wid, ("index", slot, payload))
         ring.push_task(wid, slot)
         return len(payload)

@@ -3,8 +3,8 @@
 Segment::
 
     [control page(s)]  semaphores (ready, then one task semaphore per worker; process-shared,
-                       SEM_STRIDE bytes each), per-worker task queues, per-worker counters
-                       (int64), page aligned
+                       SEM_STRIDE bytes each), the doorbell word (SEM_STRIDE bytes), per-worker
+                       task queues, per-worker counters (int64), page aligned
     [slot 0]           header page | data region
     [slot 1]           ...
 
@@ -170,6 +170,14 @@ class RingGeometry:
 
     @property
     def sems_bytes(self) -> int:
+        """The semaphores and the doorbell word, each in SEM_STRIDE bytes of its own."""
+        return (2 + self.num_workers) * SEM_STRIDE
+
+    @property
+    def doorbell_flag(self) -> int:
+        """Offset of the doorbell word: nonzero while an ``async for`` consumer waits, so a
+        worker that publishes writes the eventfd doorbell only then (a synchronous consumer
+        waits on the ready semaphore alone)."""
         return (1 + self.num_workers) * SEM_STRIDE
 
     @property

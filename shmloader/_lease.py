@@ -65,6 +65,11 @@ class Leases:
             self._give_back(slot, self._gen[slot])
             return True
 
+    @property
+    def returned(self) -> bool:
+        """Whether slots were returned since the last ``take_returned``."""
+        return bool(self._returned)
+
     def take_returned(self) -> list[int]:
         out = []
         while self._returned:

@@ -17,7 +17,7 @@ import os
 import numpy as np
 
 from . import _native, _shm
-from ._layout import DONE, N_COUNTERS, N_FIELDS, RingGeometry
+from ._layout import DONE, IDLE, N_COUNTERS, N_FIELDS, RingGeometry, F
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +61,12 @@ class _Views:
         """Store ``slot``'s STATE with release ordering, after everything written before it."""
         _native.store_release(self.mm, self.geometry.state_offset(slot), state)
 
+    def want_doorbell(self, on: bool) -> None:
+        """Ask workers to write the eventfd doorbell when they publish (an ``async for`` is about
+        to wait), or stop asking. Fenced: set before the consumer's last look at the ready
+        semaphore, it is seen by every publisher that posts after that look."""
+        _native.store_fenced(self.mm, self.geometry.doorbell_flag, int(on))
+
 
 class Ring(_Views):
     """The main process's ring: creates the segment and owns its name and fd."""
@@ -77,6 +83,7 @@ class Ring(_Views):
             raise
         super().__init__(geometry, mm)
         self._tails = [0] * geometry.num_workers
+        self._headers_at = [geometry.slot_offset(s) for s in range(geometry.num_slots)]
 
     @property
     def spec(self) -> RingSpec:
@@ -94,6 +101,16 @@ class Ring(_Views):
         q[self._tails[worker] % self.geometry.queue_len] = slot
         self._tails[worker] += 1
         _native.sem_post(self.mm, self.geometry.task_sem(worker))
+
+    def post_task(self, worker: int, slot: int, epoch: int, seq: int, payload: bytes) -> None:
+        """Write a task (its header fields and the pickled index ``payload``, which fits the
+        slot) into ``slot``, queue it for ``worker`` and wake it: one native call."""
+        g = self.geometry
+        tail = self._tails[worker]
+        self._tails[worker] = tail + 1
+        _native.post_task(self.mm, self._headers_at[slot], (IDLE, epoch, seq, len(payload)), payload,
+                          self.data_offsets[slot], g.queue_offset(worker) + (tail % g.queue_len) * 8, slot,
+                          g.task_sem(worker))
 
     def renew_queue(self, worker: int) -> None:
         """An empty queue and a fresh task semaphore for ``worker``: its process died, maybe
@@ -135,6 +152,14 @@ class AttachedRing(_Views):
     def post_ready(self) -> None:
         """Tell the consumer a slot is published (a full barrier, after ``set_state``)."""
         _native.sem_post(self.mm, self.geometry.ready_sem)
+
+    def publish(self, slot: int, results: tuple[int, ...]) -> bool:
+        """Store a slot's result fields (``results``: the header from STATUS on, in field
+        order), set it DONE with release ordering and post the ready semaphore: one native
+        call. Returns whether an ``async for`` consumer waits for the doorbell."""
+        g = self.geometry
+        return bool(_native.publish(self.mm, g.slot_offset(slot), F.STATUS, results, g.state_offset(slot), DONE,
+                                    g.ready_sem, g.doorbell_flag))
 
     def next_task(self, timeout: float) -> int | None:
         """The next slot queued for this worker (or STOP_TASK, RESIZE_TASK), None on timeout."""

@@ -10,14 +10,14 @@ every step of random dispatch / done / overflow / grant / kill / epoch sequences
 - a slot has a task exactly when it is IN_FLIGHT, WAITING or READY;
 - ``ready`` maps the sequence number of every READY slot of the current epoch to it;
 - ``load[w]`` counts the IN_FLIGHT and WAITING slots of worker ``w``;
-- ``outstanding`` counts the IN_FLIGHT and WAITING slots of the current epoch.
+- ``outstanding`` counts the IN_FLIGHT and WAITING slots of the current epoch;
+- ``waiting_count`` counts the WAITING slots.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class SlotState(enum.IntEnum):
@@ -28,8 +28,7 @@ class SlotState(enum.IntEnum):
     LENT = 4  # taken by the consumer: the user views it, or a device copy reads it
 
 
-@dataclasses.dataclass(frozen=True)
-class Task:
+class Task(NamedTuple):  # a tuple: made for every batch, so cheap to make
     worker: int
     epoch: int
     seq: int
@@ -47,6 +46,7 @@ class SlotTable:
         self.ready: dict[int, int] = {}  # seq -> slot
         self.load = [0] * num_workers
         self.outstanding = 0
+        self.waiting_count = 0
 
     # ---------------------------------------------------------- questions
     def count(self, state: SlotState) -> int:
@@ -58,6 +58,8 @@ class SlotTable:
 
     def waiting(self) -> list[int]:
         """WAITING slots, lowest sequence number first (the order overflow memory is granted in)."""
+        if not self.waiting_count:
+            return []
         slots = [s for s, st in enumerate(self.state) if st is SlotState.WAITING]
         return sorted(slots, key=lambda s: (self.tasks[s].epoch, self.tasks[s].seq))
 
@@ -67,9 +69,11 @@ class SlotTable:
 
     # ---------------------------------------------------------- transitions
     def _move(self, slot: int, expected: tuple[SlotState, ...], to: SlotState) -> None:
-        if self.state[slot] not in expected:
-            raise AssertionError(f"slot {slot} is {self.state[slot].name}, expected {[e.name for e in expected]}")
+        now = self.state[slot]
+        if now not in expected:
+            raise AssertionError(f"slot {slot} is {now.name}, expected {[e.name for e in expected]}")
         self.state[slot] = to
+        self.waiting_count += (to is SlotState.WAITING) - (now is SlotState.WAITING)
 
     def dispatch(self, worker: int, seq: int, index: Any) -> int:
         """FREE -> IN_FLIGHT: the slot that now carries task ``seq`` of the current epoch."""
@@ -84,7 +88,7 @@ class SlotTable:
         """FREE -> IN_FLIGHT: ``task`` (orphaned by a dead worker) again, for ``worker``."""
         self.free.remove(slot)
         self._move(slot, (SlotState.FREE,), SlotState.IN_FLIGHT)
-        self.tasks[slot] = dataclasses.replace(task, worker=worker, needed=0)
+        self.tasks[slot] = task._replace(worker=worker, needed=0)
         self.load[worker] += 1
         self.outstanding += 1
 
@@ -115,7 +119,7 @@ class SlotTable:
             self._release(slot)
             return None
         self._move(slot, (SlotState.IN_FLIGHT,), SlotState.WAITING)
-        self.tasks[slot] = dataclasses.replace(task, needed=needed)
+        self.tasks[slot] = task._replace(needed=needed)
         return self.tasks[slot]
 
     def drop(self, slot: int) -> Task:
@@ -153,6 +157,7 @@ class SlotTable:
         for slot in self.of_worker(worker):
             task = self._leave_worker(slot)
             del self.tasks[slot]
+            self.waiting_count -= self.state[slot] is SlotState.WAITING
             self.state[slot] = SlotState.FREE
             self.free.append(slot)
             out.append((slot, task))
@@ -179,3 +184,4 @@ class SlotTable:
         owned = [t for s, t in self.tasks.items() if self.state[s] is not SlotState.READY]
         assert self.load == [sum(1 for t in owned if t.worker == w) for w in range(len(self.load))], self.load
         assert self.outstanding == sum(1 for t in owned if t.epoch == self.epoch)
+        assert self.waiting_count == self.state.count(SlotState.WAITING)

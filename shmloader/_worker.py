@@ -39,7 +39,7 @@ from multiprocessing import reduction
 from torch.utils.data._utils import worker as torch_worker
 
 from ._collate import SlotWriter, slot_collate_map
-from ._layout import DONE, RESIZE_TASK, C, F, Region, RingGeometry, Status
+from ._layout import RESIZE_TASK, C, F, Region, RingGeometry, Status
 from ._ring import AttachedRing, RingSpec
 
 _ONE = struct.pack("=Q", 1)
@@ -185,39 +185,34 @@ def _init(cfg: WorkerConfig) -> ExceptionWrapper | None:
 
 def _publish(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWriter, outcome: Outcome,
              epoch: int, seq: int, doorbell: int, region: Region = Region.SLOT) -> None:
-    hdr = ring.headers[slot]
-    hdr[F.STATUS] = outcome.status
-    hdr[F.WORKER] = cfg.worker_id
-    hdr[F.R_EPOCH] = epoch
-    hdr[F.R_SEQ] = seq
-    hdr[F.NEEDED] = outcome.needed
-    hdr[F.REGION] = region
     if outcome.status is Status.OK:
-        hdr[F.TABLE_OFF] = writer.table_off
-        hdr[F.TABLE_LEN] = writer.table_len
-        hdr[F.META_OFF] = writer.meta_off
-        hdr[F.META_LEN] = writer.meta_len
-        hdr[F.EXTRA_OFF] = writer.extra_off
-        hdr[F.EXTRA_LEN] = writer.extra_len
-    elif outcome.status is Status.ERROR or outcome.status is Status.INIT_ERROR:
-        _write_error(ring, slot, hdr, outcome.error)
-    ring.set_state(slot, DONE)  # a release store: every write above is visible to an acquire of DONE
-    ring.post_ready()
-    try:
-        os.write(doorbell, _ONE)
-    except OSError:
-        pass  # the main process closed the doorbell: it is shutting down
+        table_off, table_len = writer.table_off, writer.table_len
+        meta_off, meta_len = writer.meta_off, writer.meta_len
+        extra_off, extra_len = writer.extra_off, writer.extra_len
+    else:
+        table_off = table_len = meta_off = meta_len = extra_off = extra_len = 0
+        if outcome.status is Status.ERROR or outcome.status is Status.INIT_ERROR:
+            meta_len = _write_error(ring, slot, outcome.error)
+    # The result fields from STATUS on, in field order (see _layout.F); DONE is stored after
+    # them with release ordering, then the ready semaphore is posted.
+    results = (outcome.status, cfg.worker_id, table_off, table_len, meta_off, meta_len, outcome.needed,
+               epoch, seq, extra_off, extra_len, region)
+    if ring.publish(slot, results):  # an async for waits: ring its doorbell too
+        try:
+            os.write(doorbell, _ONE)
+        except OSError:
+            pass  # the main process closed the doorbell: it is shutting down
 
 
-def _write_error(ring: AttachedRing, slot: int, hdr: Any, error: ExceptionWrapper | None) -> None:
-    """Pickle the worker's exception into the slot: never past the slot's data region."""
+def _write_error(ring: AttachedRing, slot: int, error: ExceptionWrapper | None) -> int:
+    """Pickle the worker's exception to the start of the slot's data region, never past its
+    end; returns its length."""
     assert error is not None
     cap = ring.geometry.data_bytes
     payload = fit_error(error, cap)
     start = ring.geometry.data_offset(slot)
     ring.bytes[start : start + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
-    hdr[F.META_OFF] = 0
-    hdr[F.META_LEN] = len(payload)
+    return len(payload)
 
 
 CUT = "\n[... {} characters of the traceback cut so that the error fits its ring slot ...]\n"

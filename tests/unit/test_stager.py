@@ -114,3 +114,66 @@ def test_device_delivery_survives_worker_kills(fake_cuda: FakeStream, monkeypatc
             os.kill(rng.choice([p.pid for p in it._pool.procs if p.exitcode is None]), signal.SIGKILL)
     assert n == 80
     assert loader.stats().worker_restarts >= 1
+
+
+class GatedEvent(FakeEvent):
+    """A copy that completes only when the test's ticker says so. Waiting on it blocks (here:
+    raises), which ``async for`` must never do."""
+
+    made: list[GatedEvent] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        GatedEvent.made.append(self)
+
+    def synchronize(self) -> None:
+        raise AssertionError("a device copy was waited for by blocking the event loop")
+
+
+class GatedStream(FakeStream):
+    def synchronize(self) -> None:
+        if any(not e.done for e in self.events):
+            raise AssertionError("shutting down blocked the event loop on a running copy")
+
+
+def test_async_for_waits_for_device_copies_without_blocking_the_loop(
+    fake_cuda: FakeStream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two slots, one staged batch: the consumer keeps running out of free slots and must wait
+    # for a copy, and the epoch ends with copies running. Each copy completes only when a
+    # ticker coroutine runs, so every batch arrives only if the loop kept turning.
+    import asyncio
+
+    import shmloader
+    from tests.datasets import Range
+
+    GatedEvent.made = []
+    monkeypatch.setattr(torch.cuda, "Event", GatedEvent)
+    monkeypatch.setattr(torch.cuda, "Stream", GatedStream)
+    monkeypatch.setattr(_device, "register_host", lambda mm, nbytes, cudart=None: False)
+    loader = shmloader.DataLoader(Range(40), batch_size=4, num_workers=2, prefetch_factor=1, device_prefetch=1)
+    loader._shm_device = torch.device("cpu")  # device= without CUDA: the "copies" stay on the CPU
+    got: list[list[int]] = []
+    ticks = 0
+
+    async def consume() -> None:
+        async for batch in loader:
+            got.append(batch.flatten().tolist())
+
+    async def ticker(consumer: asyncio.Future[None]) -> None:
+        nonlocal ticks
+        while not consumer.done():
+            ticks += 1
+            running = [e for e in GatedEvent.made if not e.done]
+            if running:
+                running[0].done = True  # the oldest copy completes
+            await asyncio.sleep(0)
+
+    async def main() -> None:
+        consumer = asyncio.ensure_future(consume())
+        await asyncio.gather(consumer, ticker(consumer))
+
+    asyncio.run(main())
+    assert got == [list(range(i, i + 4)) for i in range(0, 40, 4)]
+    assert len(GatedEvent.made) == 10 and all(e.done for e in GatedEvent.made)
+    assert ticks >= 10
