@@ -28,6 +28,7 @@ from . import _native
 from ._layout import CODE_OF_DTYPE, CODE_OF_NP_DTYPE, LEAF_ALIGN, LONE_LEAF, Kind, round_up, view_leaf
 
 Leaf = tuple[int, int, int, tuple[int, ...]]  # (dtype code, kind, offset, shape)
+_VIEW_CACHE = 256  # leaf views a writer keeps (a batch with many leaves, shapes that vary: start over)
 
 
 class SlotWriter:
@@ -36,6 +37,7 @@ class SlotWriter:
     def __init__(self, mm: Any = None) -> None:
         self._mm = mm
         self._bytes = None if mm is None else np.frombuffer(mm, dtype=np.uint8)
+        self._views: dict[tuple[int, int, int, tuple[int, ...]], Any] = {}  # (offset, code, kind, shape) -> view
         self.begin(0, 0)
 
     def begin(self, data_off: int, capacity: int) -> None:
@@ -67,12 +69,18 @@ class SlotWriter:
         nbytes = itemsize * _numel(shape)
         off = self._place(nbytes)
         if off is None:
-            raw = np.empty(nbytes, dtype=np.uint8)
+            out = view_leaf(np.empty(nbytes, dtype=np.uint8), code, kind, shape)
         else:
-            assert self._bytes is not None
+            # A slot gets the same layout batch after batch: its views are made once. Only the
+            # batch being written holds them, and it is dropped once written.
             start = self.data_off + off
-            raw = self._bytes[start : start + nbytes]
-        out = view_leaf(raw, code, kind, shape)
+            key = (start, code, kind, shape)
+            out = self._views.get(key)
+            if out is None:
+                assert self._bytes is not None
+                if len(self._views) >= _VIEW_CACHE:
+                    self._views.clear()
+                out = self._views[key] = view_leaf(self._bytes[start : start + nbytes], code, kind, shape)
         self._record(out, code, kind, self.used - nbytes, shape)
         return out
 
