@@ -170,6 +170,12 @@ class _Epoch:
 _epochs: weakref.WeakKeyDictionary[Any, _Epoch] = weakref.WeakKeyDictionary()
 
 
+def current_iterator(loader: Any) -> Any | None:
+    """The iterator of ``loader``'s current epoch (its latest ``iter()``), if it still exists."""
+    epoch = _epochs.get(loader)
+    return None if epoch is None else epoch.ref()
+
+
 def begin_epoch(loader: Any, torch_iter: Callable[[], Any]) -> Any:
     """``iter(loader)`` for a loader that uses the ring (a shmloader.DataLoader, or torchdata's
     StatefulDataLoader under ``install(stateful_dataloader=True)``): record where the epoch

@@ -428,8 +428,15 @@ class RingIterator(_BaseDataLoaderIter):
             if table.state[slot] is not SlotState.IN_FLIGHT or not self._ring.is_done(slot):
                 continue  # (an acquire load: what the worker wrote before DONE is visible after it)
             hdr = headers[slot]
+            task = table.tasks[slot]
+            if int(hdr[F.R_SEQ]) != task.seq or int(hdr[F.R_EPOCH]) != task.epoch:
+                self._shutdown_workers()
+                raise CorruptSlotError(
+                    f"slot {slot} was published for task {int(hdr[F.R_SEQ])} of epoch {int(hdr[F.R_EPOCH])}, "
+                    f"but holds task {task.seq} of epoch {task.epoch}: a torn or foreign write"
+                )
             if int(hdr[F.STATUS]) == Status.NEED_MEMORY:
-                wid = table.tasks[slot].worker
+                wid = task.worker
                 needed = int(hdr[F.NEEDED])
                 if table.overflowed(slot, needed) is None:
                     self._pool.send_memory(wid, slot, 0, -1)  # a stale epoch's batch: drop it

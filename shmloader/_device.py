@@ -3,7 +3,8 @@
 Registration: with ``pin_memory=True`` or ``device="cuda..."`` the main process registers
 the whole segment with ``cudaHostRegister`` once, right after creating it, so every slot
 is pinned where it lies: no pinned bounce copy, no caching host allocator that grows.
-The registration is undone when the mapping is freed. If registration fails
+The registration is undone while the memory is still mapped, just before it is unmapped
+(``_shm.Mapping``'s hook: when the last batch viewing it dies, or at ``close()``). If registration fails
 (locked-memory limits, an unsupported platform) this warns, saying what was lost, and
 copies come from pageable memory.
 
@@ -20,9 +21,8 @@ completed, so a worker never rewrites memory a DMA is still reading.
 from __future__ import annotations
 
 import collections
-import mmap
+import functools
 import warnings
-import weakref
 from typing import Any
 
 import numpy as np
@@ -31,6 +31,7 @@ import torch
 from ._layout import Kind
 from ._lease import Where, read_batch
 from ._ring import Ring
+from ._shm import Mapping
 
 _REGISTERED: set[int] = set()  # addresses registered by this process and not yet unregistered
 
@@ -40,17 +41,29 @@ def registered() -> frozenset[int]:
     return frozenset(_REGISTERED)
 
 
-def _unregister(cudart: Any, ptr: int) -> None:
-    cudart.cudaHostUnregister(ptr)
+def _unregister(cudart: Any, ptr: int, nbytes: int) -> None:
+    """Undo a registration (the memory is still mapped: a ``Mapping``'s hook); an error is
+    said, not dropped."""
     _REGISTERED.discard(ptr)
+    err = _code(cudart.cudaHostUnregister(ptr))
+    if err != 0:
+        warnings.warn(
+            f"cudaHostUnregister of a {nbytes:,}-byte shmloader mapping failed with CUDA error {err}; "
+            "the memory is unmapped next regardless",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 def _code(err: Any) -> int:
     return int(getattr(err, "value", err))
 
 
-def register_host(mm: mmap.mmap, nbytes: int, cudart: Any = None) -> bool:
-    """Page-lock ``mm`` in place. Returns True on success; warns and returns False if not."""
+def register_host(mm: Mapping, nbytes: int, cudart: Any = None) -> bool:
+    """Page-lock ``mm`` in place until it is unmapped. Returns True on success; warns and
+    returns False if not."""
+    if not isinstance(mm, Mapping):
+        raise TypeError(f"register_host needs a shmloader._shm.Mapping (unregistered before unmapping), not {type(mm).__name__}")
     if cudart is None:
         import torch.cuda
 
@@ -68,7 +81,7 @@ def register_host(mm: mmap.mmap, nbytes: int, cudart: Any = None) -> bool:
         )
         return False
     _REGISTERED.add(ptr)
-    weakref.finalize(mm, _unregister, cudart, ptr)
+    mm.before_unmap(functools.partial(_unregister, cudart, ptr, nbytes))
     return True
 
 

@@ -11,6 +11,7 @@ the slot. ``release`` returns one early.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import io
 import pickle
 import threading
@@ -185,19 +186,42 @@ def slot_of(ring: Ring, obj: Any) -> int | None:
     return int(rel // g.slot_stride)
 
 
+# What a batch may hold that views no memory of ours and has nothing inside.
+_ATOMIC = (str, bytes, bytearray, int, float, complex, bool, type(None), range, slice, torch.dtype,
+           torch.device, torch.Size, np.generic, np.dtype, type)
+
+
 def leaves_of(batch: Any) -> list[Any]:
-    """Tensors and arrays in a (nested) batch, found the way pickling would walk it."""
+    """Tensors and arrays in a (nested) batch: the containers ``default_collate`` makes (and
+    custom collates commonly do) are walked (mappings, sequences, namedtuples, sets, objects
+    with ``__dict__`` or ``__slots__``). Raises TypeError naming what cannot be looked into,
+    rather than release less than the batch."""
     found: list[Any] = []
-
-    class _Finder(pickle.Pickler):
-        def persistent_id(self, obj: object) -> Any:
-            if isinstance(obj, (torch.Tensor, np.ndarray)):
-                found.append(obj)
-                return 0
-            return None
-
-    try:
-        _Finder(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(batch)
-    except (pickle.PicklingError, TypeError, AttributeError):
-        pass
+    seen: set[int] = set()
+    stack: list[tuple[Any, str]] = [(batch, "batch")]
+    while stack:
+        obj, path = stack.pop()
+        if isinstance(obj, (torch.Tensor, np.ndarray)):
+            found.append(obj)
+            continue
+        if isinstance(obj, _ATOMIC) or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, collections.abc.Mapping):
+            stack.extend((v, f"{path}[{k!r}]") for k, v in obj.items())
+        elif isinstance(obj, (list, tuple, collections.abc.Set, collections.deque)):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(obj))
+        elif hasattr(obj, "__dict__") or hasattr(type(obj), "__slots__"):
+            fields = dict(getattr(obj, "__dict__", {}))
+            for cls in type(obj).__mro__:
+                for name in getattr(cls, "__slots__", ()):
+                    if isinstance(name, str) and hasattr(obj, name):
+                        fields[name] = getattr(obj, name)
+            stack.extend((v, f"{path}.{k}") for k, v in fields.items())
+        else:
+            raise TypeError(
+                f"release(): cannot look inside {type(obj).__module__}.{type(obj).__qualname__} at {path}, "
+                "so the slots its tensors view cannot be found; pass those tensors (or a list of them) "
+                "to release() instead"
+            )
     return found

@@ -214,12 +214,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         return _InlineAsync(it)
 
     def stats(self) -> LoaderStats:
-        """A snapshot of what the loader has done since it was created (see LoaderStats)."""
-        it = self._iterator if isinstance(self._iterator, RingIterator) else None
-        if it is None:
-            live = [i for i in list(self._shm_iterators) if not i.shut_down]
-            it = live[-1] if live else None
-        return stats_of(self, it)
+        """A snapshot of what the loader has done since it was created (see LoaderStats). The
+        counters are the loader's; ``ring`` and ``worker_busy`` describe the iterator of the
+        latest ``iter(loader)`` while its workers run (None and () otherwise)."""
+        it = _checkpoint.current_iterator(self)
+        return stats_of(self, it if isinstance(it, RingIterator) and not it.shut_down else None)
 
     def release(self, batch: Any) -> int:
         """Return the ring slots that ``batch`` views, now, without waiting for its

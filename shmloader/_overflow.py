@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from ._errors import SharedMemoryFullError
+from ._shm import Mapping
 
 
 class OverflowArena:
@@ -49,7 +50,7 @@ class OverflowArena:
     def in_use(self) -> int:
         return self.live + self.retired
 
-    def allocate(self, nbytes: int) -> tuple[int, mmap.mmap]:
+    def allocate(self, nbytes: int) -> tuple[int, Mapping]:
         """A new anonymous shared region of ``nbytes``: (fd, mapping). The caller sends the fd
         and closes it; the mapping is the consumer's."""
         fd = os.memfd_create("shmloader-overflow", os.MFD_CLOEXEC)
@@ -65,7 +66,7 @@ class OverflowArena:
                     "num_workers or prefetch_factor, or set memory_budget= so oversized batches "
                     "wait for room instead."
                 ) from None
-            mm = mmap.mmap(fd, nbytes)
+            mm = Mapping(fd, nbytes)
         except BaseException:
             os.close(fd)
             raise

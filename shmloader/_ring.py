@@ -82,6 +82,7 @@ class Ring(_Views):
             self.close()
             raise
         super().__init__(geometry, mm)
+        self.mm: _shm.Mapping = mm  # the main process's mapping: pinnable, unpinned before unmapping
         self._tails = [0] * geometry.num_workers
         self._headers_at = [geometry.slot_offset(s) for s in range(geometry.num_slots)]
 

@@ -11,11 +11,41 @@ import errno
 import mmap
 import os
 import secrets
+from typing import Callable
 
 import posix_ipc
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "shmloader-"
+
+
+class Mapping(mmap.mmap):
+    """The main process's mappings (the ring, overflow memory): an ``mmap`` that runs its
+    ``before_unmap`` hooks while the memory is still mapped, from ``close()`` or when its
+    last reference (a batch's view keeps it) dies, and only then unmaps.
+
+    (A ``weakref.finalize`` on a plain mmap runs after CPython has already unmapped it: too
+    late to unregister page-locked memory from CUDA.)"""
+
+    _hooks: list[Callable[[], None]]
+
+    def before_unmap(self, hook: Callable[[], None]) -> None:
+        if not hasattr(self, "_hooks"):
+            self._hooks = []
+        self._hooks.append(hook)
+
+    def _run_hooks(self) -> None:
+        hooks = getattr(self, "_hooks", None)
+        while hooks:
+            hooks.pop()()
+
+    def close(self) -> None:
+        """Run the hooks, then unmap (nothing may view the mapping any more)."""
+        self._run_hooks()
+        super().close()
+
+    def __del__(self) -> None:  # runs before mmap's own deallocation unmaps
+        self._run_hooks()
 
 
 def new_name(prefix: str) -> str:
@@ -55,7 +85,7 @@ def create_segment(size: int) -> tuple[str, mmap.mmap]:
     return name, mm
 
 
-def create_segment_fd(size: int) -> tuple[str, int, mmap.mmap]:
+def create_segment_fd(size: int) -> tuple[str, int, Mapping]:
     """Create, reserve and map a new segment of ``size`` bytes. Returns (name, fd, mapping);
     the fd stays open for processes started later (it survives the name's unlink).
 
@@ -74,7 +104,7 @@ def create_segment_fd(size: int) -> tuple[str, int, mmap.mmap]:
                 raise SharedMemoryFullError(_fixes(size, shm_free_bytes() or 0)) from None
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
-        mm = mmap.mmap(shm.fd, size)
+        mm = Mapping(shm.fd, size)
         os.set_inheritable(shm.fd, False)
     except BaseException:
         shm.close_fd()

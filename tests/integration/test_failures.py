@@ -229,3 +229,27 @@ def test_iterable_dataset_errors_keep_type_and_traceback() -> None:
         list(shmloader.DataLoader(BrokenStream(), batch_size=2, num_workers=2))
     text = str(info.value)
     assert "stream broke after 3 items" in text and "Traceback" in text and "__iter__" in text
+
+
+def test_a_slot_published_for_another_task_is_a_corrupt_slot_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The worker echoes each task's epoch and seq with its result; a slot whose echo does not
+    # match the task the consumer gave it (a torn or foreign write) is refused, never delivered.
+    from shmloader._ring import AttachedRing
+
+    publish = AttachedRing.publish
+
+    def misdirected(self: AttachedRing, slot: int, results: tuple[int, ...]) -> bool:
+        if results[8] == 3:  # the result of batch 3 claims to be batch 7's
+            results = results[:8] + (7,) + results[9:]
+        return publish(self, slot, results)
+
+    monkeypatch.setattr(AttachedRing, "publish", misdirected)  # the workers fork with it
+    loader = shmloader.DataLoader(Range(40), batch_size=4, num_workers=2, multiprocessing_context="fork")
+    it = iter(loader)
+    got = []
+    with pytest.raises(shmloader.CorruptSlotError, match=r"published for task 7 of epoch 0, but holds task 3 of epoch 0"):
+        for batch in it:
+            got.append(batch.flatten().tolist())
+    assert len(got) <= 3 and got == [list(range(i, i + 4)) for i in range(0, 4 * len(got), 4)]  # found when collected
+    with pytest.raises(RuntimeError, match="stopped after an earlier error"):
+        next(it)

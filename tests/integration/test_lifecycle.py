@@ -46,6 +46,25 @@ def test_release_returns_a_slot_now() -> None:
     del batch, it
 
 
+def test_release_finds_tensors_wherever_the_batch_holds_them() -> None:
+    # Walked, not pickled: a lambda beside the tensor (unpicklable) used to hide it.
+    import itertools
+    import types
+
+    loader = shmloader.DataLoader(Range(64), batch_size=4, num_workers=2)
+    it = iter(loader)
+    batches = [next(it) for _ in range(3)]
+    assert it.holding() == 3
+    holder = types.SimpleNamespace(fn=lambda: 0, inner={"pair": (1, [batches[0]])})
+    assert loader.release(holder) == 1
+    assert loader.release({"set": {batches[1]}, "text": "x", "n": 3}) == 1
+    with pytest.raises(TypeError, match=r"cannot look inside itertools.count at batch\['it'\].*pass those tensors"):
+        loader.release({"it": itertools.count(), "x": batches[2]})
+    assert it.holding() == 1
+    assert loader.release(batches[2]) == 1
+    del batches, holder, it
+
+
 def test_holding_every_batch_never_deadlocks_and_copies() -> None:
     loader = shmloader.DataLoader(Range(200), batch_size=2, num_workers=2, prefetch_factor=2)
     it = iter(loader)

@@ -40,6 +40,22 @@ def test_stats_see_held_batches() -> None:
     del kept, it
 
 
+def test_stats_describe_the_latest_iterator() -> None:
+    # Two epochs' iterators alive at once: the ring figures are the latest one's, every time.
+    loader = shmloader.DataLoader(Range(40), batch_size=4, num_workers=2, prefetch_factor=3)
+    first = iter(loader)
+    kept = [next(first)]
+    second = iter(loader)
+    kept += [next(second), next(second)]
+    for _ in range(3):
+        ring = loader.stats().ring
+        assert ring is not None and ring.held == 2
+    del second
+    assert loader.stats().ring is None  # the latest iterator is gone: no live ring to describe
+    assert loader.stats().batches == 3
+    del kept, first
+
+
 def test_memory_budget_shrinks_the_ring_and_batches_stay_right() -> None:
     sizes = [100_000] * 16  # 400 KB float32 samples; batch of 2 = 800 KB
     budget = "2.5MiB"
