@@ -5,8 +5,10 @@
  * region: dtype code, kind (torch tensor or numpy array), byte offset, byte
  * length and shape.  The worker encodes it once per batch; the main process
  * decodes it and bounds-checks every entry before any tensor is built over
- * slot memory, so a corrupted or hostile header raises ValueError instead of
- * reading outside the slot.
+ * slot memory, so a torn or corrupted table raises ValueError instead of a
+ * tensor reading outside the slot. (These checks are not a defence against a
+ * hostile writer: the batch's skeleton goes through an Unpickler. The ring is
+ * created with mode 0600, so only the user's own processes can write it.)
  *
  * Wire format (native byte order, all fields 8-byte aligned):
  *   u32 magic 'SHLT' | u32 count
@@ -52,6 +54,8 @@ typedef struct {
     uint64_t offset;
     uint64_t nbytes;
 } entry_head;
+_Static_assert(sizeof(entry_head) == ENTRY_FIXED, "an entry's fixed part is ENTRY_FIXED bytes");
+#define TABLE_HEAD 8 /* u32 magic | u32 count */
 
 /* nbytes of a leaf, or -1 on overflow / bad shape. */
 static int64_t leaf_nbytes(int code, const int64_t *shape, int ndim) {
@@ -67,12 +71,14 @@ static int64_t leaf_nbytes(int code, const int64_t *shape, int ndim) {
 }
 
 PyDoc_STRVAR(encode_table_doc,
-"encode_table(buffer, offset, limit, leaves) -> int\n"
+"encode_table($module, buffer, offset, limit, leaves, /)\n"
 "--\n\n"
 "Write the leaf table for `leaves`, a sequence of (code, kind, offset, shape)\n"
 "tuples, into the writable `buffer` at `offset`, using at most `limit` bytes.\n"
-"Returns the number of bytes written; raises ValueError if it does not fit\n"
-"or an entry is malformed.");
+"Returns the number of bytes written (table_bytes of the shapes); raises\n"
+"ValueError if it does not fit or an entry is malformed (an offset not aligned\n"
+"to LEAF_ALIGN included: decode_table would refuse it), TypeError if an entry\n"
+"is not a tuple.");
 
 static PyObject *encode_table(PyObject *self, PyObject *args) {
     Py_buffer view;
@@ -89,17 +95,22 @@ static PyObject *encode_table(PyObject *self, PyObject *args) {
         goto fail;
     }
     char *base = (char *)view.buf + offset;
-    Py_ssize_t pos = 8;
+    Py_ssize_t pos = TABLE_HEAD;
     if (pos > limit) goto too_small;
     for (Py_ssize_t i = 0; i < count; i++) {
         int code, kind;
         long long loff;
         PyObject *shape;
+        if (!PyTuple_Check(items[i])) {
+            PyErr_Format(PyExc_TypeError, "leaf %zd must be a tuple (code, kind, offset, shape), not %s",
+                         i, Py_TYPE(items[i])->tp_name);
+            goto fail;
+        }
         if (!PyArg_ParseTuple(items[i], "iiLO;leaf must be (code, kind, offset, shape)",
                               &code, &kind, &loff, &shape)) goto fail;
-        if (code < 0 || code >= N_CODES || kind < 0 || kind >= N_KINDS || loff < 0) {
-            PyErr_Format(PyExc_ValueError, "leaf %zd: bad code %d, kind %d or offset %lld",
-                         i, code, kind, loff);
+        if (code < 0 || code >= N_CODES || kind < 0 || kind >= N_KINDS || loff < 0 || loff % LEAF_ALIGN) {
+            PyErr_Format(PyExc_ValueError, "leaf %zd: bad code %d, kind %d or offset %lld (offsets are "
+                         "multiples of %d)", i, code, kind, loff, LEAF_ALIGN);
             goto fail;
         }
         PyObject *sseq = PySequence_Fast(shape, "shape must be a sequence");
@@ -143,7 +154,7 @@ fail:
 }
 
 PyDoc_STRVAR(decode_table_doc,
-"decode_table(buffer, offset, length, data_limit) -> list[tuple]\n"
+"decode_table($module, buffer, offset, length, data_limit, /)\n"
 "--\n\n"
 "Decode and validate the leaf table stored in `buffer[offset:offset+length]`.\n"
 "Every leaf must have a known dtype code and kind, a non-negative shape whose\n"
@@ -158,7 +169,7 @@ static PyObject *decode_table(PyObject *self, PyObject *args) {
     long long data_limit;
     if (!PyArg_ParseTuple(args, "y*nnL", &view, &offset, &length, &data_limit)) return NULL;
     PyObject *out = NULL;
-    if (offset < 0 || length < 8 || offset > view.len || length > view.len - offset || data_limit < 0) {
+    if (offset < 0 || length < TABLE_HEAD || offset > view.len || length > view.len - offset || data_limit < 0) {
         PyErr_Format(PyExc_ValueError, "leaf table [%zd, +%zd) outside buffer of %zd bytes",
                      offset, length, view.len);
         goto done;
@@ -171,13 +182,13 @@ static PyObject *decode_table(PyObject *self, PyObject *args) {
         goto done;
     }
     Py_ssize_t count = head[1];
-    if (count > (length - 8) / ENTRY_FIXED) {
+    if (count > (length - TABLE_HEAD) / ENTRY_FIXED) {
         PyErr_Format(PyExc_ValueError, "leaf table claims %zd leaves but holds %zd bytes", count, length);
         goto done;
     }
     out = PyList_New(count);
     if (out == NULL) goto done;
-    Py_ssize_t pos = 8;
+    Py_ssize_t pos = TABLE_HEAD;
     for (Py_ssize_t i = 0; i < count; i++) {
         entry_head h;
         if (ENTRY_FIXED > length - pos) goto truncated;
@@ -240,6 +251,18 @@ static struct PyModuleDef module = {
     .m_methods = methods,
 };
 
+/* ITEMSIZES: the item size of every dtype code, for shmloader/_layout.py to check DTYPES against. */
+static int add_itemsizes(PyObject *m) {
+    PyObject *t = PyTuple_New(N_CODES);
+    if (t == NULL) return -1;
+    for (int i = 0; i < N_CODES; i++) {
+        PyObject *v = PyLong_FromLong(ITEMSIZE[i]);
+        if (v == NULL) { Py_DECREF(t); return -1; }
+        PyTuple_SET_ITEM(t, i, v);
+    }
+    return PyModule_AddObject(m, "ITEMSIZES", t) < 0 ? (Py_DECREF(t), -1) : 0;
+}
+
 extern PyMethodDef shmloader_sync_methods[]; /* native/_sync.c */
 extern const int shmloader_sem_stride;
 
@@ -250,7 +273,11 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddIntConstant(m, "SEM_STRIDE", shmloader_sem_stride) < 0 ||
         PyModule_AddIntConstant(m, "N_CODES", N_CODES) < 0 ||
         PyModule_AddIntConstant(m, "LEAF_ALIGN", LEAF_ALIGN) < 0 ||
-        PyModule_AddIntConstant(m, "MAX_NDIM", MAX_NDIM) < 0) {
+        PyModule_AddIntConstant(m, "MAX_NDIM", MAX_NDIM) < 0 ||
+        PyModule_AddIntConstant(m, "N_KINDS", N_KINDS) < 0 ||
+        PyModule_AddIntConstant(m, "TABLE_HEAD", TABLE_HEAD) < 0 ||
+        PyModule_AddIntConstant(m, "ENTRY_FIXED", ENTRY_FIXED) < 0 ||
+        add_itemsizes(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

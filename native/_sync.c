@@ -36,13 +36,24 @@ static char *at(PyObject *buffer, Py_buffer *view, Py_ssize_t offset, Py_ssize_t
     return (char *)view->buf + offset;
 }
 
-/* Parse (buffer, offset), apply `op` to the semaphore there. */
-static PyObject *sem_call(PyObject *args, int (*op)(sem_t *)) {
-    PyObject *buffer;
+/* METH_FASTCALL argument checks for the sub-microsecond calls (no tuple is built). */
+static int nargs_is(const char *name, Py_ssize_t nargs, Py_ssize_t want) {
+    if (nargs == want) return 1;
+    PyErr_Format(PyExc_TypeError, "%s() takes exactly %zd arguments (%zd given)", name, want, nargs);
+    return 0;
+}
+
+static int as_ssize(PyObject *o, Py_ssize_t *out) {
+    *out = PyLong_AsSsize_t(o);
+    return !(*out == -1 && PyErr_Occurred());
+}
+
+/* (buffer, offset): apply `op` to the semaphore there. */
+static PyObject *sem_call(const char *name, PyObject *const *args, Py_ssize_t nargs, int (*op)(sem_t *)) {
     Py_ssize_t offset;
     Py_buffer view;
-    if (!PyArg_ParseTuple(args, "On", &buffer, &offset)) return NULL;
-    char *p = at(buffer, &view, offset, SEM_STRIDE, 8);
+    if (!nargs_is(name, nargs, 2) || !as_ssize(args[1], &offset)) return NULL;
+    char *p = at(args[0], &view, offset, SEM_STRIDE, 8);
     if (p == NULL) return NULL;
     int rc = op((sem_t *)p);
     PyBuffer_Release(&view);
@@ -53,30 +64,34 @@ static PyObject *sem_call(PyObject *args, int (*op)(sem_t *)) {
 static int init_shared(sem_t *sem) { return sem_init(sem, 1, 0); }
 
 PyDoc_STRVAR(sem_init_doc,
-"sem_init(buffer, offset, /)\n--\n\n"
+"sem_init($module, buffer, offset, /)\n--\n\n"
 "Initialise a process-shared semaphore of value 0 at buffer[offset:offset+64].");
 
-static PyObject *py_sem_init(PyObject *self, PyObject *args) { return sem_call(args, init_shared); }
+static PyObject *py_sem_init(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return sem_call("sem_init", args, nargs, init_shared);
+}
 
 PyDoc_STRVAR(sem_post_doc,
-"sem_post(buffer, offset, /)\n--\n\n"
+"sem_post($module, buffer, offset, /)\n--\n\n"
 "Post the semaphore at buffer[offset] (a full memory barrier).");
 
-static PyObject *py_sem_post(PyObject *self, PyObject *args) { return sem_call(args, sem_post); }
+static PyObject *py_sem_post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return sem_call("sem_post", args, nargs, sem_post);
+}
 
 PyDoc_STRVAR(sem_wait_doc,
-"sem_wait(buffer, offset, timeout, /)\n--\n\n"
+"sem_wait($module, buffer, offset, timeout, /)\n--\n\n"
 "Take one token of the semaphore at buffer[offset]: at once when timeout is 0, waiting at\n"
 "most timeout seconds otherwise. Returns True when a token was taken, False on timeout.\n"
 "A signal during the wait runs Python's handlers (their exception propagates).");
 
-static PyObject *py_sem_wait(PyObject *self, PyObject *args) {
-    PyObject *buffer;
+static PyObject *py_sem_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_ssize_t offset;
-    double timeout;
     Py_buffer view;
-    if (!PyArg_ParseTuple(args, "Ond", &buffer, &offset, &timeout)) return NULL;
-    char *p = at(buffer, &view, offset, SEM_STRIDE, 8);
+    if (!nargs_is("sem_wait", nargs, 3) || !as_ssize(args[1], &offset)) return NULL;
+    double timeout = PyFloat_AsDouble(args[2]);
+    if (timeout == -1.0 && PyErr_Occurred()) return NULL;
+    char *p = at(args[0], &view, offset, SEM_STRIDE, 8);
     if (p == NULL) return NULL;
     sem_t *sem = (sem_t *)p;
     int rc, err = 0;
@@ -113,16 +128,15 @@ static PyObject *py_sem_wait(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(load_acquire_doc,
-"load_acquire(buffer, offset, /)\n--\n\n"
+"load_acquire($module, buffer, offset, /)\n--\n\n"
 "The int64 at buffer[offset] (8-byte aligned), read with acquire ordering: every write the\n"
 "writer made before its store_release of this value is visible after it.");
 
-static PyObject *py_load_acquire(PyObject *self, PyObject *args) {
-    PyObject *buffer;
+static PyObject *py_load_acquire(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_ssize_t offset;
     Py_buffer view;
-    if (!PyArg_ParseTuple(args, "On", &buffer, &offset)) return NULL;
-    char *p = at(buffer, &view, offset, 8, 8);
+    if (!nargs_is("load_acquire", nargs, 2) || !as_ssize(args[1], &offset)) return NULL;
+    char *p = at(args[0], &view, offset, 8, 8);
     if (p == NULL) return NULL;
     int64_t v = __atomic_load_n((int64_t *)p, __ATOMIC_ACQUIRE);
     PyBuffer_Release(&view);
@@ -130,17 +144,24 @@ static PyObject *py_load_acquire(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(store_release_doc,
-"store_release(buffer, offset, value, /)\n--\n\n"
+"store_release($module, buffer, offset, value, /)\n--\n\n"
 "Store the int64 value at buffer[offset] (8-byte aligned) with release ordering: every\n"
 "write before it is visible to a reader whose load_acquire sees the value.");
 
-static PyObject *py_store_release(PyObject *self, PyObject *args) {
-    PyObject *buffer;
+/* (buffer, offset, value) of a store: the int64 address and the value, or NULL. */
+static char *store_args(const char *name, PyObject *const *args, Py_ssize_t nargs, Py_buffer *view,
+                        long long *value) {
     Py_ssize_t offset;
+    if (!nargs_is(name, nargs, 3) || !as_ssize(args[1], &offset)) return NULL;
+    *value = PyLong_AsLongLong(args[2]);
+    if (*value == -1 && PyErr_Occurred()) return NULL;
+    return at(args[0], view, offset, 8, 8);
+}
+
+static PyObject *py_store_release(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     long long value;
     Py_buffer view;
-    if (!PyArg_ParseTuple(args, "OnL", &buffer, &offset, &value)) return NULL;
-    char *p = at(buffer, &view, offset, 8, 8);
+    char *p = store_args("store_release", args, nargs, &view, &value);
     if (p == NULL) return NULL;
     __atomic_store_n((int64_t *)p, (int64_t)value, __ATOMIC_RELEASE);
     PyBuffer_Release(&view);
@@ -148,7 +169,7 @@ static PyObject *py_store_release(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(post_task_doc,
-"post_task(buffer, header, fields, payload, data, entry, slot, sem, /)\n--\n\n"
+"post_task($module, buffer, header, fields, payload, data, entry, slot, sem, /)\n--\n\n"
 "Hand a task to a worker in one call: store the int64 values of `fields` at buffer[header:]\n"
 "(the task's header fields, in order), copy `payload` (the pickled index) to buffer[data:],\n"
 "store `slot` at buffer[entry] (the worker's queue entry), then post the semaphore at\n"
@@ -197,7 +218,7 @@ done:
 }
 
 PyDoc_STRVAR(publish_doc,
-"publish(buffer, header, first, fields, state, done, sem, flag, /)\n--\n\n"
+"publish($module, buffer, header, first, fields, state, done, sem, flag, /)\n--\n\n"
 "Publish a slot's result in one call: store the int64 values of `fields` at the header's\n"
 "fields first, first+1, ...; store `done` at buffer[state] with release ordering; post the\n"
 "semaphore at buffer[sem]; then return the int64 at buffer[flag], read after a full fence\n"
@@ -241,17 +262,14 @@ done:
 }
 
 PyDoc_STRVAR(store_fenced_doc,
-"store_fenced(buffer, offset, value, /)\n--\n\n"
+"store_fenced($module, buffer, offset, value, /)\n--\n\n"
 "Store the int64 value at buffer[offset], then a full fence: a later read (of a semaphore)\n"
 "cannot pass it, so a publisher that posts and then reads this word sees it, or is seen.");
 
-static PyObject *py_store_fenced(PyObject *self, PyObject *args) {
-    PyObject *buffer;
-    Py_ssize_t offset;
+static PyObject *py_store_fenced(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     long long value;
     Py_buffer view;
-    if (!PyArg_ParseTuple(args, "OnL", &buffer, &offset, &value)) return NULL;
-    char *p = at(buffer, &view, offset, 8, 8);
+    char *p = store_args("store_fenced", args, nargs, &view, &value);
     if (p == NULL) return NULL;
     __atomic_store_n((int64_t *)p, (int64_t)value, __ATOMIC_SEQ_CST);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
@@ -262,12 +280,12 @@ static PyObject *py_store_fenced(PyObject *self, PyObject *args) {
 PyMethodDef shmloader_sync_methods[] = {
     {"post_task", py_post_task, METH_VARARGS, post_task_doc},
     {"publish", py_publish, METH_VARARGS, publish_doc},
-    {"store_fenced", py_store_fenced, METH_VARARGS, store_fenced_doc},
-    {"sem_init", py_sem_init, METH_VARARGS, sem_init_doc},
-    {"sem_post", py_sem_post, METH_VARARGS, sem_post_doc},
-    {"sem_wait", py_sem_wait, METH_VARARGS, sem_wait_doc},
-    {"load_acquire", py_load_acquire, METH_VARARGS, load_acquire_doc},
-    {"store_release", py_store_release, METH_VARARGS, store_release_doc},
+    {"store_fenced", (PyCFunction)(void (*)(void))py_store_fenced, METH_FASTCALL, store_fenced_doc},
+    {"sem_init", (PyCFunction)(void (*)(void))py_sem_init, METH_FASTCALL, sem_init_doc},
+    {"sem_post", (PyCFunction)(void (*)(void))py_sem_post, METH_FASTCALL, sem_post_doc},
+    {"sem_wait", (PyCFunction)(void (*)(void))py_sem_wait, METH_FASTCALL, sem_wait_doc},
+    {"load_acquire", (PyCFunction)(void (*)(void))py_load_acquire, METH_FASTCALL, load_acquire_doc},
+    {"store_release", (PyCFunction)(void (*)(void))py_store_release, METH_FASTCALL, store_release_doc},
     {NULL, NULL, 0, NULL},
 };
 const int shmloader_sem_stride = SEM_STRIDE;

@@ -25,7 +25,7 @@ import torch
 from torch.utils.data._utils import collate as torch_collate
 
 from . import _native
-from ._layout import CODE_OF_DTYPE, CODE_OF_NP_DTYPE, LEAF_ALIGN, LONE_LEAF, Kind, round_up, view_leaf
+from ._layout import CODE_OF_DTYPE, CODE_OF_NP_DTYPE, LEAF_ALIGN, LONE_LEAF, Kind, round_up, table_bytes, view_leaf
 
 Leaf = tuple[int, int, int, tuple[int, ...]]  # (dtype code, kind, offset, shape)
 _VIEW_CACHE = 256  # leaf views a writer keeps (a batch with many leaves, shapes that vary: start over)
@@ -132,7 +132,7 @@ class SlotWriter:
         self.meta_off = round_up(self.used, 8)
         self.meta_len = len(meta)
         self.table_off = round_up(self.meta_off + self.meta_len, 8)
-        self.table_len = 8 + sum(24 + 8 * len(leaf[3]) for leaf in self.leaves)
+        self.table_len = table_bytes(leaf[3] for leaf in self.leaves)
         self.extra_off = round_up(self.table_off + self.table_len, 8)
         self.extra_len = len(extra)
         needed = self.extra_off + self.extra_len
@@ -142,7 +142,9 @@ class SlotWriter:
         assert self._bytes is not None
         start = self.data_off + self.meta_off
         self._bytes[start : start + self.meta_len] = np.frombuffer(meta, dtype=np.uint8)
-        _native.encode_table(self._mm, self.data_off + self.table_off, self.table_len, self.leaves)
+        written = _native.encode_table(self._mm, self.data_off + self.table_off, self.table_len, self.leaves)
+        if written != self.table_len:
+            raise RuntimeError(f"the leaf table took {written} bytes, {self.table_len} were reserved")
         if extra:
             start = self.data_off + self.extra_off
             self._bytes[start : start + self.extra_len] = np.frombuffer(extra, dtype=np.uint8)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import mmap
-from typing import Any, Final
+from typing import Any, Final, Iterable
 
 import numpy as np
 import torch
@@ -121,6 +121,17 @@ DTYPES: Final[tuple[torch.dtype, ...]] = (
     torch.uint64,
 )
 CODE_OF_DTYPE: Final = {dt: i for i, dt in enumerate(DTYPES)}
+# The C codec has its own item-size table (native/_native.c) and kind count: they must agree.
+if tuple(dt.itemsize for dt in DTYPES) != _native.ITEMSIZES or len(Kind) != _native.N_KINDS:
+    raise ImportError(
+        f"shmloader._native's dtype table {_native.ITEMSIZES} (kinds: {_native.N_KINDS}) does not match "
+        f"_layout.DTYPES {tuple(dt.itemsize for dt in DTYPES)} (kinds: {len(Kind)}): rebuild the extension"
+    )
+
+
+def table_bytes(shapes: Iterable[tuple[int, ...]]) -> int:
+    """Bytes of the leaf table for leaves of these shapes (what ``encode_table`` writes)."""
+    return _native.TABLE_HEAD + sum(_native.ENTRY_FIXED + 8 * len(shape) for shape in shapes)
 # numpy dtype per code, None where numpy has no such type (bfloat16).
 NP_DTYPES: Final[tuple[np.dtype[np.generic] | None, ...]] = tuple(
     None if dt is torch.bfloat16 else np.dtype(torch.empty(0, dtype=dt).numpy().dtype)

@@ -4,6 +4,10 @@ N_CODES: int
 LEAF_ALIGN: int
 MAX_NDIM: int
 SEM_STRIDE: int
+N_KINDS: int
+TABLE_HEAD: int
+ENTRY_FIXED: int
+ITEMSIZES: tuple[int, ...]
 
 def encode_table(
     buffer: Any, offset: int, limit: int, leaves: Sequence[tuple[int, int, int, Sequence[int]]]

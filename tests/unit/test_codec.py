@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shmloader import _native
-from shmloader._layout import DTYPES, LEAF_ALIGN
+from shmloader._layout import DTYPES, LEAF_ALIGN, Kind, table_bytes
 
 ENTRY = struct.Struct("=BBBBIQQ")
 
@@ -23,6 +23,28 @@ def encode(leaves: list[tuple[int, int, int, tuple[int, ...]]], size: int = 4096
 def test_constants_match_python_tables() -> None:
     assert _native.N_CODES == len(DTYPES)
     assert _native.LEAF_ALIGN == LEAF_ALIGN
+    assert _native.N_KINDS == len(Kind)
+    # Every dtype's item size, one by one (uint16/32/64 included): the C table is the wire's.
+    for code, dtype in enumerate(DTYPES):
+        assert _native.ITEMSIZES[code] == dtype.itemsize, dtype
+    assert ENTRY.size == _native.ENTRY_FIXED
+
+
+@given(st.lists(st.lists(st.integers(0, 5), max_size=6).map(tuple), max_size=12))
+def test_table_bytes_is_what_encode_writes(shapes: list[tuple[int, ...]]) -> None:
+    leaves = [(1, 0, 64 * i, shape) for i, shape in enumerate(shapes)]
+    assert _native.encode_table(bytearray(8192), 0, 8192, leaves) == table_bytes(shapes)
+
+
+def test_the_functions_have_signatures_and_refuse_lists_with_type_errors() -> None:
+    import inspect
+
+    assert str(inspect.signature(_native.encode_table)) == "(buffer, offset, limit, leaves, /)"
+    assert str(inspect.signature(_native.sem_wait)) == "(buffer, offset, timeout, /)"
+    with pytest.raises(TypeError, match="leaf 0 must be a tuple"):
+        _native.encode_table(bytearray(256), 0, 256, [[1, 0, 0, (1,)]])
+    with pytest.raises(TypeError, match=r"sem_wait\(\) takes exactly 3 arguments"):
+        _native.sem_wait(bytearray(256), 0)  # type: ignore[call-arg]
 
 
 def test_round_trip() -> None:
@@ -44,6 +66,7 @@ def test_encode_refuses_too_small_area() -> None:
         ((99, 0, 0, (1,)), "bad code"),
         ((5, 7, 0, (1,)), "bad code"),
         ((5, 0, -64, (1,)), "bad code"),
+        ((5, 0, 8, (1,)), "offsets are multiples of 64"),  # decode would refuse it: encode does
         ((5, 0, 0, (-1,)), "negative or overflowing"),
         ((5, 0, 0, (1 << 40, 1 << 40)), "negative or overflowing"),
     ],
