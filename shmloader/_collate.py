@@ -116,38 +116,38 @@ class SlotWriter:
         self._keep.append(obj)
         return leaf_id
 
-    def finish(self, batch: object, extra: bytes = b"") -> int:
-        """Pickle ``batch``'s skeleton and write it with the leaf table (and ``extra`` bytes
-        after it: the dataset's state, when it has one).
+    def finish(self, batch: object, dataset_state: bytes = b"") -> int:
+        """Pickle ``batch``'s skeleton and write it with the leaf table (and the pickled
+        ``dataset_state`` after it, for an IterableDataset that has one).
 
         Returns the bytes the batch needs; when that exceeds the slot's capacity
         nothing usable was written and the caller reports the size.
         """
         if self.leaves and batch is self._keep[0] and len(self.leaves) == 1:
-            meta: bytes | memoryview = LONE_LEAF  # the common single-tensor batch
+            skeleton: bytes | memoryview = LONE_LEAF  # the common single-tensor batch
         else:
             buf = io.BytesIO()
             _LeafPickler(buf, self).dump(batch)
-            meta = buf.getbuffer()
-        self.meta_off = round_up(self.used, 8)
-        self.meta_len = len(meta)
-        self.table_off = round_up(self.meta_off + self.meta_len, 8)
+            skeleton = buf.getbuffer()
+        self.pickled_off = round_up(self.used, 8)
+        self.pickled_len = len(skeleton)
+        self.table_off = round_up(self.pickled_off + self.pickled_len, 8)
         self.table_len = table_bytes(leaf[3] for leaf in self.leaves)
-        self.extra_off = round_up(self.table_off + self.table_len, 8)
-        self.extra_len = len(extra)
-        needed = self.extra_off + self.extra_len
+        self.dataset_state_off = round_up(self.table_off + self.table_len, 8)
+        self.dataset_state_len = len(dataset_state)
+        needed = self.dataset_state_off + self.dataset_state_len
         if not self.fits or needed > self.capacity:
             self.fits = False
             return needed
         assert self._bytes is not None
-        start = self.data_off + self.meta_off
-        self._bytes[start : start + self.meta_len] = np.frombuffer(meta, dtype=np.uint8)
+        start = self.data_off + self.pickled_off
+        self._bytes[start : start + self.pickled_len] = np.frombuffer(skeleton, dtype=np.uint8)
         written = _native.encode_table(self._mm, self.data_off + self.table_off, self.table_len, self.leaves)
         if written != self.table_len:
             raise RuntimeError(f"the leaf table took {written} bytes, {self.table_len} were reserved")
-        if extra:
-            start = self.data_off + self.extra_off
-            self._bytes[start : start + self.extra_len] = np.frombuffer(extra, dtype=np.uint8)
+        if dataset_state:
+            start = self.data_off + self.dataset_state_off
+            self._bytes[start : start + self.dataset_state_len] = np.frombuffer(dataset_state, dtype=np.uint8)
         self._keep.clear()
         return needed
 

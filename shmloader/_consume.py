@@ -1,10 +1,14 @@
 """The main process's iterator: start-up, waiting (sync and async), ordering, errors.
 
 One generator, ``_steps``, holds all the logic of producing the next batch; it
-yields a *wait request* whenever nothing is ready. ``__next__`` fulfils requests by
-blocking on the ready semaphore in short timed waits (so worker deaths and timeouts
-are noticed); ``__anext__`` fulfils them by awaiting the doorbell eventfd and the
-workers' process sentinels on the running event loop: no helper thread, no polling.
+yields a *wait request* whenever nothing is ready. Each of its passes is ``_round``,
+which never waits; when the batch is ready at once, ``next()`` runs one ``_round``
+without the generator. ``__next__`` fulfils requests by blocking on the ready
+semaphore in short timed waits (so worker deaths and timeouts are noticed);
+``__anext__`` fulfils them by awaiting the doorbell eventfd (workers write it only
+while the doorbell flag in the segment says an ``async for`` waits) and the workers'
+process sentinels on the running event loop: no helper thread. A CUDA copy has no fd:
+``async for`` with ``device=`` queries its event from the loop at growing intervals.
 
 Slot state lives in ``_slots.SlotTable`` (free / in flight / waiting for overflow
 memory / ready / lent); this module holds the policy: which task goes where, when
@@ -41,8 +45,8 @@ from . import _checkpoint, _device
 from ._dispatch import Dispatcher
 from ._errors import CorruptSlotError, MemoryBudgetError, WorkerDiedError
 from ._budget import plan_ring
-from ._layout import IDLE, PAGE, RESIZE_TASK, C, F, Region, RingGeometry, Status, grown_slot_bytes, round_up
-from ._lease import Leases, Where, copy_leaf, leaves_of, read_batch, read_extra, read_meta, slot_of
+from ._layout import IDLE, PAGE, RESIZE_TASK, Counter, Field, Region, RingGeometry, Status, grown_slot_bytes, round_up
+from ._lease import Leases, Where, copy_leaf, leaves_of, read_batch, read_dataset_state, read_pickled, slot_of
 from ._overflow import OverflowArena
 from ._pool import WorkerPool
 from ._ring import Ring
@@ -368,7 +372,7 @@ class RingIterator(_BaseDataLoaderIter):
             if piped is not None:
                 state: bytes = pickle.loads(piped)[1]
                 return state
-            return read_extra(self._ring, slot, self._overflow_where(slot))
+            return read_dataset_state(self._ring, slot, self._overflow_where(slot))
         staged = [note for note in ([] if self._stager is None else self._stager.notes()) if note and note[0] == wid]
         if staged:
             note: tuple[int, bytes] = staged[-1]
@@ -429,22 +433,22 @@ class RingIterator(_BaseDataLoaderIter):
                 continue  # (an acquire load: what the worker wrote before DONE is visible after it)
             hdr = headers[slot]
             task = table.tasks[slot]
-            if int(hdr[F.R_SEQ]) != task.seq or int(hdr[F.R_EPOCH]) != task.epoch:
+            if int(hdr[Field.R_SEQ]) != task.seq or int(hdr[Field.R_EPOCH]) != task.epoch:
                 self._shutdown_workers()
                 raise CorruptSlotError(
-                    f"slot {slot} was published for task {int(hdr[F.R_SEQ])} of epoch {int(hdr[F.R_EPOCH])}, "
+                    f"slot {slot} was published for task {int(hdr[Field.R_SEQ])} of epoch {int(hdr[Field.R_EPOCH])}, "
                     f"but holds task {task.seq} of epoch {task.epoch}: a torn or foreign write"
                 )
-            if int(hdr[F.STATUS]) == Status.NEED_MEMORY:
+            if int(hdr[Field.STATUS]) == Status.NEED_MEMORY:
                 wid = task.worker
-                needed = int(hdr[F.NEEDED])
+                needed = int(hdr[Field.NEEDED])
                 if table.overflowed(slot, needed) is None:
                     self._pool.send_memory(wid, slot, 0, -1)  # a stale epoch's batch: drop it
                 else:
                     self._want_growth(needed)
             else:
                 payload = None
-                if int(hdr[F.REGION]) == Region.PIPE:
+                if int(hdr[Field.REGION]) == Region.PIPE:
                     try:  # the worker sends it after publishing: read it now, in the pipe's order
                         payload = self._pool.conns[table.tasks[slot].worker].recv_bytes()
                     except (EOFError, OSError):
@@ -619,12 +623,12 @@ class RingIterator(_BaseDataLoaderIter):
                 seq = min(table.ready)
             slot = table.take(seq)
             hdr = self._ring.headers[slot]
-            status = int(hdr[F.STATUS])
+            status = int(hdr[Field.STATUS])
             if status == Status.OK:
                 return slot
             table.give_back(slot)
             if status == Status.STOP:
-                self._dispatcher.active[int(hdr[F.WORKER])] = False
+                self._dispatcher.active[int(hdr[Field.WORKER])] = False
                 continue
             self._fail(slot, status)
         return None
@@ -635,7 +639,7 @@ class RingIterator(_BaseDataLoaderIter):
         assert self._ring is not None
         self._drop_overflow(slot)
         if status == Status.ERROR or status == Status.INIT_ERROR:
-            error = pickle.loads(read_meta(self._ring, slot))
+            error = pickle.loads(read_pickled(self._ring, slot))
             if status == Status.ERROR:
                 self._batch_failed()
             else:
@@ -660,7 +664,7 @@ class RingIterator(_BaseDataLoaderIter):
         if not self._iterable:
             return None
         assert self._ring is not None
-        return int(self._ring.headers[slot][F.WORKER]), read_extra(self._ring, slot, self._overflow_where(slot))
+        return int(self._ring.headers[slot][Field.WORKER]), read_dataset_state(self._ring, slot, self._overflow_where(slot))
 
     def _delivered(self, note: tuple[int, bytes] | None) -> None:
         if note is not None:
@@ -675,7 +679,7 @@ class RingIterator(_BaseDataLoaderIter):
             self._table.give_back(slot)
             batch, state = pickle.loads(piped)
             if self._iterable:
-                self._delivered((int(self._ring.headers[slot][F.WORKER]), state))
+                self._delivered((int(self._ring.headers[slot][Field.WORKER]), state))
             self._counters.batches += 1
             self._counters.copies += 1
             return batch
@@ -905,7 +909,7 @@ class RingIterator(_BaseDataLoaderIter):
         now = time.monotonic_ns()
         busy = []
         for c in self._ring.counters:
-            started, spent = int(c[C.STARTED_NS]), int(c[C.BUSY_NS])
+            started, spent = int(c[Counter.STARTED_NS]), int(c[Counter.BUSY_NS])
             busy.append(min(1.0, spent / (now - started)) if started and now > started else 0.0)
         return tuple(busy)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pickle
 from typing import Any, Callable
 
-from ._layout import IDLE, F
+from ._layout import IDLE, Field
 from ._ring import Ring
 
 
@@ -51,10 +51,10 @@ class Dispatcher:
             ring.post_task(wid, slot, epoch, seq, payload)
             return len(payload)
         hdr = ring.headers[slot]
-        hdr[F.STATE] = IDLE
-        hdr[F.EPOCH] = epoch
-        hdr[F.SEQ] = seq
-        hdr[F.TASK_LEN] = -1
+        hdr[Field.STATE] = IDLE
+        hdr[Field.EPOCH] = epoch
+        hdr[Field.SEQ] = seq
+        hdr[Field.TASK_LEN] = -1
         send(wid, ("index", slot, payload))
         ring.push_task(wid, slot)
         return len(payload)

@@ -13,8 +13,9 @@ process writes the task fields, the worker writes the result fields and sets
 ``STATE`` to ``DONE`` last, then posts the ready semaphore. The task payload
 (pickled indices) sits at the start of the data region; the worker reads it
 before it writes the batch over it. The batch's leaves come first in the data
-region, 64-byte aligned; the leaf table (see ``native/_native.c``) and the
-pickled skeleton of the batch follow.
+region, 64-byte aligned; then, 8-byte aligned each, the pickled skeleton (or a pickled
+exception), the leaf table (see ``native/_native.c``) and an IterableDataset's pickled
+state (``SlotWriter.finish`` writes them in this order).
 
 This module owns no memory and starts no process.
 """
@@ -37,7 +38,7 @@ HEADER_BYTES: Final = PAGE
 LEAF_ALIGN: Final = 64
 
 
-class F:
+class Field:
     """Fields of a slot header (int64 each); plain ints, read on every batch.
 
     Publication: a worker writes the batch and every result field, then stores STATE=DONE
@@ -54,20 +55,20 @@ class F:
     WORKER = 5  # result: id of the worker that wrote it
     TABLE_OFF = 6  # result: offset of the leaf table in the data region
     TABLE_LEN = 7
-    META_OFF = 8  # result: offset of the pickled skeleton (or error) in the data region
-    META_LEN = 9
+    PICKLED_OFF = 8  # result: offset of the pickled bytes: the batch's skeleton, or (ERROR) the exception
+    PICKLED_LEN = 9
     NEEDED = 10  # result: bytes the batch needs (with Status.NEED_MEMORY: the overflow memory asked for)
-    R_EPOCH = 11  # result: epoch echoed by the worker
-    R_SEQ = 12  # result: seq echoed by the worker
-    EXTRA_OFF = 13  # result: a pickled IterableDataset state_dict() after this batch (or 0 bytes)
-    EXTRA_LEN = 14
+    R_EPOCH = 11  # result: the task's epoch, echoed by the worker (checked when the slot is collected)
+    R_SEQ = 12  # result: the task's seq, echoed by the worker (checked when the slot is collected)
+    DATASET_STATE_OFF = 13  # result: the pickled IterableDataset state_dict() after this batch (or 0 bytes)
+    DATASET_STATE_LEN = 14
     REGION = 15  # result: where the batch lies, a Region value (offsets above are relative to it)
 
 
 N_FIELDS: Final = 16
 
 
-class C:
+class Counter:
     """Per-worker counters in the control area (int64 each), written by the worker only."""
 
     STARTED_NS = 0  # time.monotonic_ns() when the worker attached to the ring
@@ -226,7 +227,7 @@ class RingGeometry:
 
     def state_offset(self, slot: int) -> int:
         """Offset of a slot's STATE field, published with release and read with acquire."""
-        return self.slot_offset(slot) + F.STATE * 8
+        return self.slot_offset(slot) + Field.STATE * 8
 
 
 def slot_data_bytes(batch_bytes: int) -> int:

@@ -23,7 +23,7 @@ import torch
 
 from . import _native
 from ._errors import CorruptSlotError
-from ._layout import LONE_LEAF, F, Kind, Region, view_leaf
+from ._layout import LONE_LEAF, Field, Kind, Region, view_leaf
 from ._ring import Ring
 
 
@@ -112,14 +112,14 @@ def in_slot(ring: Ring, slot: int) -> Where:
     return ring.mm, ring.data_offsets[slot], ring.geometry.data_bytes
 
 
-def read_meta(ring: Ring, slot: int, where: Where | None = None) -> bytes:
-    """The raw skeleton bytes of a slot (also used for pickled worker errors)."""
-    return _read(ring, slot, where, F.META_OFF, F.META_LEN, "skeleton")
+def read_pickled(ring: Ring, slot: int, where: Where | None = None) -> bytes:
+    """A slot's pickled bytes: the batch's skeleton, or (status ERROR) the worker's exception."""
+    return _read(ring, slot, where, Field.PICKLED_OFF, Field.PICKLED_LEN, "pickled skeleton or error")
 
 
-def read_extra(ring: Ring, slot: int, where: Where | None = None) -> bytes:
+def read_dataset_state(ring: Ring, slot: int, where: Where | None = None) -> bytes:
     """The pickled dataset state a worker stored after the batch (b"" when none)."""
-    return _read(ring, slot, where, F.EXTRA_OFF, F.EXTRA_LEN, "dataset state")
+    return _read(ring, slot, where, Field.DATASET_STATE_OFF, Field.DATASET_STATE_LEN, "dataset state")
 
 
 def _read(ring: Ring, slot: int, where: Where | None, off_field: int, len_field: int, what: str) -> bytes:
@@ -144,11 +144,11 @@ def read_batch(ring: Ring, slot: int, convert: LeafConverter | None = None,
     transfer), which then decides whether the memory is still viewed."""
     hdr = ring.headers[slot]
     expected = Region.SLOT if where is None else Region.OVERFLOW
-    if int(hdr[F.REGION]) != expected:
-        raise CorruptSlotError(f"slot {slot}: header says region {int(hdr[F.REGION])}, expected {expected.name}")
+    if int(hdr[Field.REGION]) != expected:
+        raise CorruptSlotError(f"slot {slot}: header says region {int(hdr[Field.REGION])}, expected {expected.name}")
     mm, data_off, cap = where or in_slot(ring, slot)
-    table_off, table_len = _span(hdr, F.TABLE_OFF, F.TABLE_LEN, cap, "leaf table", slot)
-    meta = read_meta(ring, slot, where)
+    table_off, table_len = _span(hdr, Field.TABLE_OFF, Field.TABLE_LEN, cap, "leaf table", slot)
+    skeleton = read_pickled(ring, slot, where)
     try:
         table = _native.decode_table(mm, data_off + table_off, table_len, cap)
     except ValueError as exc:
@@ -163,9 +163,9 @@ def read_batch(ring: Ring, slot: int, convert: LeafConverter | None = None,
         except ValueError as exc:
             raise CorruptSlotError(f"slot {slot}: {exc}") from None
         leaves.append(leaf if convert is None else convert(leaf, kind))
-    if meta == LONE_LEAF and len(leaves) == 1:
+    if skeleton == LONE_LEAF and len(leaves) == 1:
         return leaves[0], base, total
-    return _LeafUnpickler(meta, leaves).load(), base, total
+    return _LeafUnpickler(skeleton, leaves).load(), base, total
 
 
 def slot_of(ring: Ring, obj: Any) -> int | None:

@@ -12,7 +12,7 @@ The path of an oversized batch:
    hang, as a slot's batch is copied when the consumer holds the whole ring.);
 3. the worker maps it, writes the batch exactly as into a slot (leaves, skeleton, leaf
    table, dataset state), unmaps it and publishes the slot again, now with
-   ``F.REGION = Region.OVERFLOW``;
+   ``Field.REGION = Region.OVERFLOW``;
 4. the consumer builds the batch from views of its own mapping, as from a slot; the slot
    is free at once, and the memory is freed when the batch's last view is dropped.
 

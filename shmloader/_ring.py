@@ -17,7 +17,7 @@ import os
 import numpy as np
 
 from . import _native, _shm
-from ._layout import DONE, IDLE, N_COUNTERS, N_FIELDS, RingGeometry, F
+from ._layout import DONE, IDLE, N_COUNTERS, N_FIELDS, RingGeometry, Field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +159,7 @@ class AttachedRing(_Views):
         order), set it DONE with release ordering and post the ready semaphore: one native
         call. Returns whether an ``async for`` consumer waits for the doorbell."""
         g = self.geometry
-        return bool(_native.publish(self.mm, g.slot_offset(slot), F.STATUS, results, g.state_offset(slot), DONE,
+        return bool(_native.publish(self.mm, g.slot_offset(slot), Field.STATUS, results, g.state_offset(slot), DONE,
                                     g.ready_sem, g.doorbell_flag))
 
     def next_task(self, timeout: float) -> int | None:

@@ -39,7 +39,7 @@ from multiprocessing import reduction
 from torch.utils.data._utils import worker as torch_worker
 
 from ._collate import SlotWriter, slot_collate_map
-from ._layout import RESIZE_TASK, C, F, Region, RingGeometry, Status
+from ._layout import RESIZE_TASK, Counter, Field, Region, RingGeometry, Status
 from ._ring import AttachedRing, RingSpec
 
 _ONE = struct.pack("=Q", 1)
@@ -104,7 +104,7 @@ class _Producer:
         self._epoch: int | None = None
         self._iter: Any = None
         self._ended = False
-        self.extra = b""
+        self.dataset_state = b""
 
     def _samples(self, epoch: int, index: Any) -> Any:
         ds = self.cfg.dataset
@@ -151,8 +151,8 @@ class _Producer:
             else:
                 batch = self.cfg.collate_fn(samples)
             del samples
-            self.extra = self._dataset_state()
-            needed = writer.finish(batch, self.extra)
+            self.dataset_state = self._dataset_state()
+            needed = writer.finish(batch, self.dataset_state)
         except StopIteration:
             if not self.cfg.iterable:
                 return Outcome(Status.ERROR, error=_wrap(where=self.where)), None
@@ -187,16 +187,16 @@ def _publish(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWrite
              epoch: int, seq: int, doorbell: int, region: Region = Region.SLOT) -> None:
     if outcome.status is Status.OK:
         table_off, table_len = writer.table_off, writer.table_len
-        meta_off, meta_len = writer.meta_off, writer.meta_len
-        extra_off, extra_len = writer.extra_off, writer.extra_len
+        pickled_off, pickled_len = writer.pickled_off, writer.pickled_len
+        dataset_state_off, dataset_state_len = writer.dataset_state_off, writer.dataset_state_len
     else:
-        table_off = table_len = meta_off = meta_len = extra_off = extra_len = 0
+        table_off = table_len = pickled_off = pickled_len = dataset_state_off = dataset_state_len = 0
         if outcome.status is Status.ERROR or outcome.status is Status.INIT_ERROR:
-            meta_len = _write_error(ring, slot, outcome.error)
-    # The result fields from STATUS on, in field order (see _layout.F); DONE is stored after
+            pickled_len = _write_error(ring, slot, outcome.error)
+    # The result fields from STATUS on, in field order (see _layout.Field); DONE is stored after
     # them with release ordering, then the ready semaphore is posted.
-    results = (outcome.status, cfg.worker_id, table_off, table_len, meta_off, meta_len, outcome.needed,
-               epoch, seq, extra_off, extra_len, region)
+    results = (outcome.status, cfg.worker_id, table_off, table_len, pickled_off, pickled_len, outcome.needed,
+               epoch, seq, dataset_state_off, dataset_state_len, region)
     if ring.publish(slot, results):  # an async for waits: ring its doorbell too
         try:
             os.write(doorbell, _ONE)
@@ -317,13 +317,13 @@ class Mailbox:
 
 
 def _deliver(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWriter, outcome: Outcome, batch: Any,
-             extra: bytes, epoch: int, seq: int, mailbox: Mailbox, doorbell: int) -> bool:
+             dataset_state: bytes, epoch: int, seq: int, mailbox: Mailbox, doorbell: int) -> bool:
     """Publish ``outcome``; a batch that did not fit takes the overflow path. False: stop."""
     if outcome.status is not Status.NEED_MEMORY:
         _publish(ring, slot, cfg, writer, outcome, epoch, seq, doorbell)
         return True
     measure = SlotWriter(None)  # exactly what a fresh writer will need (leaf order included)
-    needed = measure.finish(batch, extra)
+    needed = measure.finish(batch, dataset_state)
     _publish(ring, slot, cfg, writer, Outcome(Status.NEED_MEMORY, needed=needed), epoch, seq, doorbell)
     reply = mailbox.expect("memory", slot)
     if reply is None:
@@ -333,7 +333,7 @@ def _deliver(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWrite
         return True  # the consumer no longer wants this batch (a new epoch began)
     if size < 0:  # no room in memory_budget while the consumer holds it: a pickled copy
         try:
-            payload = pickle.dumps((batch, extra), protocol=pickle.HIGHEST_PROTOCOL)
+            payload = pickle.dumps((batch, dataset_state), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:
             error = Outcome(Status.ERROR, error=_wrap(where=f"in DataLoader worker process {cfg.worker_id}"))
             _publish(ring, slot, cfg, writer, error, epoch, seq, doorbell)
@@ -348,7 +348,7 @@ def _deliver(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWrite
     overflow = SlotWriter(mm)
     overflow.begin(0, size)
     try:
-        overflow.finish(batch, extra)
+        overflow.finish(batch, dataset_state)
         if not overflow.fits:
             raise RuntimeError(f"the batch measured {needed:,} bytes, then needed more than the {size:,} granted")
         outcome = Outcome(Status.OK, needed=needed)
@@ -386,7 +386,7 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
                 outcome, batch = producer.produce(epoch, index, probe_writer, slot_collate_map(probe_writer))
                 if outcome.status is Status.NEED_MEMORY:
                     outcome = Outcome(Status.PROBED, needed=outcome.needed)
-            pending = (epoch, seq, outcome, batch, producer.extra)
+            pending = (epoch, seq, outcome, batch, producer.dataset_state)
             conn.send(("probed", int(outcome.status), outcome.needed,
                        None if outcome.error is None else picklable(outcome.error)))
             continue
@@ -394,17 +394,17 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
         pending_slot: int = msg[2]
         break
     ring = AttachedRing.by_name(spec, cfg.worker_id)
-    ring.counters[cfg.worker_id][C.STARTED_NS] = time.monotonic_ns()
+    ring.counters[cfg.worker_id][Counter.STARTED_NS] = time.monotonic_ns()
     conn.send(("attached",))
     mailbox = Mailbox(conn, parent, cfg.parent_check_s)
     if pending is not None and pending_slot >= 0:
         writer = SlotWriter(ring.mm)
-        epoch, seq, outcome, batch, extra = pending
+        epoch, seq, outcome, batch, dataset_state = pending
         writer.begin(ring.geometry.data_offset(pending_slot), ring.geometry.data_bytes)
         if outcome.status is Status.PROBED:
-            needed = writer.finish(batch, extra)
+            needed = writer.finish(batch, dataset_state)
             outcome = Outcome(Status.OK if writer.fits else Status.NEED_MEMORY, needed=needed)
-        if not _deliver(ring, pending_slot, cfg, writer, outcome, batch, extra, epoch, seq, mailbox, doorbell):
+        if not _deliver(ring, pending_slot, cfg, writer, outcome, batch, dataset_state, epoch, seq, mailbox, doorbell):
             return
     # The probe's private copy of the first batch (the writer keeps its leaves too): not for
     # the worker's whole life.
@@ -420,7 +420,7 @@ def worker_replacement(cfg: WorkerConfig, geometry: RingGeometry, segment: Inher
         parent = ParentWatch(cfg.parent_pid)
         init_error = _init(cfg)
         ring = AttachedRing.by_fd(geometry, segment.fd, cfg.worker_id)
-        ring.counters[cfg.worker_id][C.STARTED_NS] = time.monotonic_ns()
+        ring.counters[cfg.worker_id][Counter.STARTED_NS] = time.monotonic_ns()
         _serve(cfg, ring, _Producer(cfg), Mailbox(conn, parent, cfg.parent_check_s), init_error, doorbell.fd)
     except KeyboardInterrupt:
         pass
@@ -462,7 +462,7 @@ def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: _Producer, mailbox: 
             return
         geometry = ring.geometry
         hdr = ring.headers[slot]
-        epoch, seq, task_len = int(hdr[F.EPOCH]), int(hdr[F.SEQ]), int(hdr[F.TASK_LEN])
+        epoch, seq, task_len = int(hdr[Field.EPOCH]), int(hdr[Field.SEQ]), int(hdr[Field.TASK_LEN])
         start = geometry.data_offset(slot)
         if task_len >= 0:
             index = pickle.loads(ring.mm[start : start + task_len])
@@ -478,8 +478,8 @@ def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: _Producer, mailbox: 
             outcome, init_error = Outcome(Status.INIT_ERROR, error=init_error), None
         else:
             outcome, batch = producer.produce(epoch, index, writer, fn_map)
-        ring.counters[cfg.worker_id][C.BUSY_NS] += time.monotonic_ns() - began
-        ring.counters[cfg.worker_id][C.BATCHES] += 1
-        if not _deliver(ring, slot, cfg, writer, outcome, batch, producer.extra, epoch, seq, mailbox, doorbell):
+        ring.counters[cfg.worker_id][Counter.BUSY_NS] += time.monotonic_ns() - began
+        ring.counters[cfg.worker_id][Counter.BATCHES] += 1
+        if not _deliver(ring, slot, cfg, writer, outcome, batch, producer.dataset_state, epoch, seq, mailbox, doorbell):
             return
         del batch

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import shmloader
 from shmloader import _native
-from shmloader._layout import F, LONE_LEAF, RingGeometry
+from shmloader._layout import Field, LONE_LEAF, RingGeometry
 from shmloader._lease import read_batch
 from shmloader._ring import _Views
 from torch.utils.data import Dataset
@@ -104,11 +104,11 @@ def test_fuzz_100k_slot_headers(table: bytes, table_off: int, table_len: int, co
     base = VIEWS.data_offsets[0]
     payload = (0x544C4853 | count << 32).to_bytes(8, "little") + table
     VIEWS.bytes[base : base + len(payload)] = list(payload)
-    meta_off = 1 << 15
-    VIEWS.bytes[base + meta_off : base + meta_off + len(LONE_LEAF)] = list(LONE_LEAF)
+    pickled_off = 1 << 15
+    VIEWS.bytes[base + pickled_off : base + pickled_off + len(LONE_LEAF)] = list(LONE_LEAF)
     hdr = VIEWS.headers[0]
-    hdr[F.TABLE_OFF], hdr[F.TABLE_LEN] = table_off, table_len
-    hdr[F.META_OFF], hdr[F.META_LEN] = meta_off, len(LONE_LEAF)
+    hdr[Field.TABLE_OFF], hdr[Field.TABLE_LEN] = table_off, table_len
+    hdr[Field.PICKLED_OFF], hdr[Field.PICKLED_LEN] = pickled_off, len(LONE_LEAF)
     try:
         batch, _, nbytes = read_batch(VIEWS, 0)  # type: ignore[arg-type]
     except shmloader.CorruptSlotError:

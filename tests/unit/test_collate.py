@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import default_collate, default_convert
 
 from shmloader._collate import SlotWriter, slot_collate_map
-from shmloader._layout import F, RingGeometry, grown_slot_bytes, slot_data_bytes
+from shmloader._layout import Field, RingGeometry, grown_slot_bytes, slot_data_bytes
 from shmloader._lease import copy_leaf, read_batch
 from shmloader._ring import _Views
 from tests.conftest import same
@@ -31,8 +31,8 @@ def round_trip(batch_or_samples: Any, fused: bool, copy: bool = False) -> tuple[
         batch = batch_or_samples
     writer.finish(batch)
     hdr = views.headers[1]
-    hdr[F.TABLE_OFF], hdr[F.TABLE_LEN] = writer.table_off, writer.table_len
-    hdr[F.META_OFF], hdr[F.META_LEN] = writer.meta_off, writer.meta_len
+    hdr[Field.TABLE_OFF], hdr[Field.TABLE_LEN] = writer.table_off, writer.table_len
+    hdr[Field.PICKLED_OFF], hdr[Field.PICKLED_LEN] = writer.pickled_off, writer.pickled_len
     out, _, _ = read_batch(views, 1, copy_leaf if copy else None)  # type: ignore[arg-type]
     return out, writer
 

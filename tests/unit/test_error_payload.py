@@ -57,7 +57,7 @@ def test_error_payload_stays_inside_its_slot(delta: int, char: str) -> None:
     start, end = g.data_offset(1), g.data_offset(1) + cap
     assert after[: g.slot_offset(1)] == before[: g.slot_offset(1)]  # slot 0 and the control area
     assert after[end:] == before[end:]  # slot 2
-    assert 0 < length <= cap  # from the data region's start (the published META_OFF is 0)
+    assert 0 < length <= cap  # from the data region's start (the published PICKLED_OFF is 0)
     got = pickle.loads(after[start : start + length])
     assert got.exc_type is ValueError
     if delta <= 0:

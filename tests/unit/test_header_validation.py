@@ -10,7 +10,7 @@ import torch
 
 from shmloader import CorruptSlotError
 from shmloader._collate import SlotWriter
-from shmloader._layout import F, RingGeometry
+from shmloader._layout import Field, RingGeometry
 from shmloader._lease import read_batch
 from shmloader._ring import _Views
 
@@ -23,8 +23,8 @@ def written() -> tuple[_Views, SlotWriter]:
     writer.begin(views.data_offsets[0], GEOMETRY.data_bytes)
     writer.finish({"x": torch.arange(10), "y": "label"})
     hdr = views.headers[0]
-    hdr[F.TABLE_OFF], hdr[F.TABLE_LEN] = writer.table_off, writer.table_len
-    hdr[F.META_OFF], hdr[F.META_LEN] = writer.meta_off, writer.meta_len
+    hdr[Field.TABLE_OFF], hdr[Field.TABLE_LEN] = writer.table_off, writer.table_len
+    hdr[Field.PICKLED_OFF], hdr[Field.PICKLED_LEN] = writer.pickled_off, writer.pickled_len
     return views, writer
 
 
@@ -37,13 +37,13 @@ def test_a_valid_slot_reads() -> None:
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        (F.TABLE_OFF, 1 << 16, "leaf table .* lies outside the slot's 65536-byte data region"),
-        (F.TABLE_OFF, -8, "leaf table .* lies outside"),
-        (F.TABLE_LEN, 1 << 40, "leaf table .* lies outside"),
-        (F.META_OFF, (1 << 16) - 2, "skeleton .* lies outside"),
-        (F.META_LEN, -1, "skeleton .* lies outside"),
-        (F.TABLE_LEN, 4, "outside buffer|leaf table"),
-        (F.REGION, 1, "header says region 1, expected SLOT"),  # overflow memory nobody granted
+        (Field.TABLE_OFF, 1 << 16, "leaf table .* lies outside the slot's 65536-byte data region"),
+        (Field.TABLE_OFF, -8, "leaf table .* lies outside"),
+        (Field.TABLE_LEN, 1 << 40, "leaf table .* lies outside"),
+        (Field.PICKLED_OFF, (1 << 16) - 2, "skeleton .* lies outside"),
+        (Field.PICKLED_LEN, -1, "skeleton .* lies outside"),
+        (Field.TABLE_LEN, 4, "outside buffer|leaf table"),
+        (Field.REGION, 1, "header says region 1, expected SLOT"),  # overflow memory nobody granted
     ],
 )
 def test_corrupt_header_fields(field: int, value: int, message: str) -> None:
@@ -61,9 +61,9 @@ def test_corrupt_table_and_skeleton() -> None:
         read_batch(views, 0)  # type: ignore[arg-type]
     views, writer = written()
     bad = b"\x80\x05K\x07Q."  # persistent id 7 of a 1-leaf table
-    start = views.data_offsets[0] + writer.meta_off
+    start = views.data_offsets[0] + writer.pickled_off
     views.bytes[start : start + len(bad)] = list(bad)
-    views.headers[0][F.META_LEN] = len(bad)
+    views.headers[0][Field.PICKLED_LEN] = len(bad)
     with pytest.raises(CorruptSlotError, match="refers to leaf 7 of 1"):
         read_batch(views, 0)  # type: ignore[arg-type]
     assert pickle.loads(b"\x80\x05K\x07.") == 7  # (the bytes above are a valid pickle otherwise)

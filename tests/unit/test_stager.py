@@ -13,7 +13,7 @@ import torch
 
 from shmloader import _device
 from shmloader._collate import SlotWriter
-from shmloader._layout import F, RingGeometry
+from shmloader._layout import Field, RingGeometry
 from shmloader._ring import _Views
 
 
@@ -63,8 +63,8 @@ def ring_with_batches(values: list[int]) -> _Views:
         writer.begin(views.data_offsets[slot], g.data_bytes)
         writer.finish({"x": torch.full((4,), v), "n": v})
         hdr = views.headers[slot]
-        hdr[F.TABLE_OFF], hdr[F.TABLE_LEN] = writer.table_off, writer.table_len
-        hdr[F.META_OFF], hdr[F.META_LEN] = writer.meta_off, writer.meta_len
+        hdr[Field.TABLE_OFF], hdr[Field.TABLE_LEN] = writer.table_off, writer.table_len
+        hdr[Field.PICKLED_OFF], hdr[Field.PICKLED_LEN] = writer.pickled_off, writer.pickled_len
     return views
 
 
