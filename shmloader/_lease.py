@@ -165,7 +165,13 @@ def read_batch(ring: Ring, slot: int, convert: LeafConverter | None = None,
         leaves.append(leaf if convert is None else convert(leaf, kind))
     if skeleton == LONE_LEAF and len(leaves) == 1:
         return leaves[0], base, total
-    return _LeafUnpickler(skeleton, leaves).load(), base, total
+    try:
+        batch = _LeafUnpickler(skeleton, leaves).load()
+    except (ImportError, AttributeError, CorruptSlotError):
+        raise  # a class the main process cannot find (defined only in the worker?): said as is
+    except Exception as exc:
+        raise CorruptSlotError(f"slot {slot}: the batch's skeleton does not unpickle ({exc!r}): a torn write") from exc
+    return batch, base, total
 
 
 def slot_of(ring: Ring, obj: Any) -> int | None:

@@ -60,3 +60,13 @@ def raw(t: torch.Tensor) -> bytes:
     if t.numel() == 0:
         return b""
     return bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``cuda`` are skipped, with the reason, where CUDA is missing."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)

@@ -130,12 +130,39 @@ class Gated(Dataset):  # type: ignore[type-arg]
         return torch.tensor([i])
 
 
+class MidBatch(Dataset):  # type: ignore[type-arg]
+    """Sample i sets ``started`` (a multiprocessing Event), then waits up to ``wait_s`` for
+    ``gate``; it is (i, 1) when the gate opened while it waited, (i, 0) when the wait timed out.
+    A test that opens the gate only from the event loop proves the loop ran while a worker was
+    inside a batch, and never hangs if it did not."""
+
+    def __init__(self, n: int, started: Any, gate: Any, wait_s: float = 10.0) -> None:
+        self.n, self.started, self.gate, self.wait_s = n, started, gate, wait_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.started.set()
+        return torch.tensor([i, int(self.gate.wait(self.wait_s))])
+
+
 class Pid(Dataset):  # type: ignore[type-arg]
     def __len__(self) -> int:
         return 16
 
     def __getitem__(self, i: int) -> int:
         return os.getpid()
+
+
+class IndexPid(Dataset):  # type: ignore[type-arg]
+    """Sample i: (i, pid of the process that made it)."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i, os.getpid()])
 
 
 def init_marker(worker_id: int) -> None:
@@ -197,8 +224,9 @@ class Blocks(Dataset):  # type: ignore[type-arg]
         return torch.full((self.words,), i, dtype=torch.int32)
 
 
-def check_blocks(batch: torch.Tensor, first: int) -> None:
-    """Batch of Blocks starting at sample ``first``, every word checked."""
+def check_blocks(batch: torch.Tensor, first: int, device: str = "cpu") -> None:
+    """Batch of Blocks starting at sample ``first``, on ``device``, every word checked."""
+    assert batch.device.type == device, batch.device
     want = torch.arange(first, first + batch.shape[0], dtype=torch.int32)[:, None].expand_as(batch)
     assert torch.equal(batch.cpu(), want), f"batch starting at {first} is torn or stale"
 

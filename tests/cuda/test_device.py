@@ -13,26 +13,7 @@ import uvloop
 
 import shmloader
 from shmloader import _device
-from tests.datasets import Range, Rich
-
-
-class Blocks(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    """Sample i: 64 KiB whose every int32 is i (any stale or torn slot shows)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.full((16384,), i, dtype=torch.int32)
-
-
-def check_blocks(batch: torch.Tensor, first: int) -> None:
-    assert batch.device.type == "cuda"
-    want = torch.arange(first, first + batch.shape[0], device=batch.device, dtype=torch.int32)
-    assert torch.equal(batch, want[:, None].expand_as(batch))
+from tests.datasets import Blocks, Range, Rich, check_blocks
 
 
 def test_device_batches_equal_cpu_batches_bit_for_bit() -> None:
@@ -59,7 +40,7 @@ def test_a_slot_is_not_reused_while_its_copy_is_in_flight() -> None:
         with torch.cuda.stream(it._stager.stream):
             torch.cuda._sleep(2_000_000)  # delay the copies still to come
         torch.cuda._sleep(1_000_000)  # and a slow consumer stream
-        check_blocks(batch, 2 * i)
+        check_blocks(batch, 2 * i, device="cuda")
     with pytest.raises(StopIteration):
         next(it)
 
@@ -85,7 +66,7 @@ def test_async_device_delivery(run: Any) -> None:
         return [b async for b in loader]
 
     for i, batch in enumerate(run(collect())):
-        check_blocks(batch, 4 * i)
+        check_blocks(batch, 4 * i, device="cuda")
 
 
 def test_out_of_order_and_persistent_epochs_on_device() -> None:
@@ -100,7 +81,7 @@ def test_out_of_order_and_persistent_epochs_on_device() -> None:
         batches = list(loader)
         assert len(batches) == 10
         for i, batch in enumerate(batches):
-            check_blocks(batch, 3 * i)
+            check_blocks(batch, 3 * i, device="cuda")
     loader._iterator._shutdown_workers()
 
 
@@ -133,7 +114,7 @@ def test_device_delivery_survives_worker_kills(context: str) -> None:
     it = iter(loader)
     n = 0
     for n, batch in enumerate(it, 1):
-        check_blocks(batch, 8 * (n - 1))
+        check_blocks(batch, 8 * (n - 1), device="cuda")
         if n in (7, 31, 55):
             os.kill(rng.choice([p.pid for p in it._pool.procs if p.exitcode is None]), signal.SIGKILL)
     assert n == 80 and loader.stats().worker_restarts >= 1

@@ -13,7 +13,7 @@ import uvloop
 
 import shmloader
 from tests.conftest import same
-from tests.datasets import Failing, Gated, Range, Rich
+from tests.datasets import MidBatch, Failing, Gated, Range, Rich
 
 RUNNERS: dict[str, Callable[[Coroutine[Any, Any, Any]], Any]] = {
     "asyncio": asyncio.run,
@@ -52,35 +52,33 @@ def test_async_persistent_epochs_and_num_workers_zero(run: Callable[[Coroutine[A
 def test_the_loop_keeps_serving_other_tasks_while_the_loader_waits(
     run: Callable[[Coroutine[Any, Any, Any]], Any],
 ) -> None:
-    gate = multiprocessing.get_context("fork").Event()
-    loader = shmloader.DataLoader(Gated(4, gate), batch_size=2, num_workers=1)
-    ticks_before_first_batch: list[int] = []
+    # The worker is provably inside a batch (it set `started` and waits for the gate); only
+    # the event loop opens the gate, after 20 ticks. A consumer that blocked the loop while
+    # waiting would leave the gate shut: the worker's wait times out and says so in the batch.
+    ctx = multiprocessing.get_context("fork")
+    started, gate = ctx.Event(), ctx.Event()
+    loader = shmloader.DataLoader(MidBatch(4, started, gate), batch_size=2, num_workers=1)
 
-    async def main() -> list[Any]:
-        ticks = 0
-        first_batch = asyncio.Event()
+    async def main() -> tuple[list[Any], int]:
+        ticks_mid_batch = 0
 
         async def ticker() -> None:
-            nonlocal ticks
-            while not first_batch.is_set():
-                ticks += 1
-                if ticks == 20:
-                    gate.set()  # only now may the workers produce
+            nonlocal ticks_mid_batch
+            while not started.is_set():
                 await asyncio.sleep(0.001)
+            while ticks_mid_batch < 20:  # a worker is inside __getitem__, waiting for the gate
+                ticks_mid_batch += 1
+                await asyncio.sleep(0.001)
+            gate.set()
 
         task = asyncio.create_task(ticker())
-        out = []
-        async for batch in loader:
-            if not first_batch.is_set():
-                ticks_before_first_batch.append(ticks)
-                first_batch.set()
-            out.append(batch)
+        out = [batch async for batch in loader]
         await task
-        return out
+        return out, ticks_mid_batch
 
-    out = run(main())
-    assert ticks_before_first_batch[0] >= 20
-    assert [b.tolist() for b in out] == [[[0], [1]], [[2], [3]]]
+    out, ticks = run(main())
+    assert ticks == 20
+    assert [b.tolist() for b in out] == [[[0, 1], [1, 1]], [[2, 1], [3, 1]]]  # the gate opened mid-batch
 
 
 def test_async_worker_error(run: Callable[[Coroutine[Any, Any, Any]], Any]) -> None:

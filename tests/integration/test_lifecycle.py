@@ -13,7 +13,7 @@ import torch
 import shmloader
 from shmloader import _shm
 from tests.conftest import same
-from tests.datasets import Failing, Gated, Pid, Range, Sized
+from tests.datasets import Failing, Gated, IndexPid, Pid, Range, Sized
 
 
 def test_batches_are_views_of_the_ring_and_return_when_dropped() -> None:
@@ -135,13 +135,16 @@ def test_timeout() -> None:
 
 
 def test_a_killed_worker_is_replaced_and_its_batches_still_arrive_once_in_order() -> None:
-    loader = shmloader.DataLoader(Pid(), batch_size=1, num_workers=2)
+    loader = shmloader.DataLoader(IndexPid(), batch_size=1, num_workers=2)
     it = iter(loader)
-    first = int(next(it)[0])
-    os.kill(first, signal.SIGKILL)
-    rest = [int(b[0]) for b in it]
-    assert len(rest) == 15  # every batch once, in order: Pid has 16 samples
-    assert first not in rest[3:]  # the killed worker made no batch after its slots were drained
+    index, killed = next(it)[0].tolist()
+    assert index == 0
+    os.kill(killed, signal.SIGKILL)
+    rest = [b[0].tolist() for b in it]
+    assert [i for i, _ in rest] == list(range(1, 16))  # every batch once, in order
+    makers = [pid for _, pid in rest]
+    assert killed not in makers[3:]  # the killed worker made no batch after its slots were drained
+    assert len(set(makers) - {killed}) == 2  # the other worker, and the replacement that made the rest of its share
     assert loader.stats().worker_restarts == 1
 
 

@@ -67,3 +67,15 @@ def test_corrupt_table_and_skeleton() -> None:
     with pytest.raises(CorruptSlotError, match="refers to leaf 7 of 1"):
         read_batch(views, 0)  # type: ignore[arg-type]
     assert pickle.loads(b"\x80\x05K\x07.") == 7  # (the bytes above are a valid pickle otherwise)
+
+
+def test_a_skeleton_that_does_not_unpickle_is_a_corrupt_slot() -> None:
+    views, writer = written()
+    start = views.data_offsets[0] + writer.pickled_off
+    views.headers[0][Field.PICKLED_LEN] = writer.pickled_len - 3  # torn: its end is missing
+    with pytest.raises(CorruptSlotError, match=r"slot 0: the batch's skeleton does not unpickle \(.*\): a torn write"):
+        read_batch(views, 0)  # type: ignore[arg-type]
+    views, writer = written()
+    views.bytes[start] = 0x00  # no pickle opcode
+    with pytest.raises(CorruptSlotError, match="does not unpickle"):
+        read_batch(views, 0)  # type: ignore[arg-type]
