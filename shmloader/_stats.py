@@ -94,3 +94,21 @@ class LoaderStats:
         near 1 means the loop is starved and more workers (or cheaper samples) would help."""
         total = self.wait_s + self.compute_s
         return self.wait_s / total if total > 0 else 0.0
+
+    @property
+    def advice(self) -> str:
+        """What ``loader_bound`` and ``worker_busy`` say together, in one sentence: the loader
+        keeps up (at most 10% of the loop's time waiting); or the loop waits and the workers
+        are busy (80% or more on average: add workers or make samples cheaper); or the loop
+        waits while the workers idle (the ring is too shallow: raise prefetch_factor)."""
+        bound = self.loader_bound
+        if bound <= 0.1:
+            return f"loader-bound {bound:.0%}: the loader keeps up; more workers would not help"
+        if not self.worker_busy:
+            return f"loader-bound {bound:.0%}: the loop waits for data; more workers or cheaper samples would help"
+        busy = sum(self.worker_busy) / len(self.worker_busy)
+        if busy >= 0.8:
+            return (f"loader-bound {bound:.0%}, workers {busy:.0%} busy: the workers are the bottleneck; "
+                    "add workers or make samples cheaper")
+        return (f"loader-bound {bound:.0%}, workers only {busy:.0%} busy: the ring is too shallow for the "
+                "loop's pace; raise prefetch_factor")

@@ -134,14 +134,8 @@ def table(results: list[Result]) -> str:
 
 
 def report(results: list[Result]) -> str:
-    lines = []
-    for r in results:
-        if r.loader_bound is None:
-            continue
-        verdict = ("the loop waits for data: more workers or cheaper samples would help"
-                   if r.loader_bound > 0.1 else "the loader keeps up: more workers would not help")
-        lines.append(f"{r.workload}: loader-bound {r.loader_bound:.0%} of the loop's time; {verdict}")
-    return "\n".join(lines)
+    """shmloader's ``stats().advice`` per workload (what the README's stats section explains)."""
+    return "\n".join(f"{r.workload}: {r.advice}" for r in results if r.advice is not None)
 
 
 def metadata(args: argparse.Namespace) -> dict[str, Any]:

@@ -133,6 +133,7 @@ class Result:
     ratio_to_torch: float | None = None
     ring_mb: float | None = None  # shmloader: the ring's size
     loader_bound: float | None = None  # shmloader: stats().loader_bound
+    advice: str | None = None  # shmloader: stats().advice (loader_bound and worker_busy read together)
     within_budget: bool | None = None
     skipped: str | None = None
     overflow_share: float | None = None  # shmloader, epoch workloads: overflow batches after epoch 1 / batches
@@ -198,6 +199,7 @@ def measure(
         batch_bytes=nbytes,
         ring_mb=None if ring is None else ring.geometry.total_bytes / 2**20,
         loader_bound=None if stats is None else stats.loader_bound,
+        advice=None if stats is None else stats.advice,
         overflow_share=None if stats is None or not epochs else (stats.overflow_batches - overflow_before) / (batches * repeats),
         ring_growths=None if stats is None else stats.ring_growths,
         slot_bytes=None if ring is None else ring.geometry.data_bytes,

@@ -3,6 +3,8 @@ end to end."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -79,3 +81,26 @@ def test_memory_budget_too_small_is_a_clear_error() -> None:
 def test_memory_budget_argument_is_validated() -> None:
     with pytest.raises(ValueError, match="is not a size"):
         shmloader.DataLoader(Range(4), num_workers=1, memory_budget="lots")
+
+
+@pytest.mark.parametrize(
+    "wait_s, busy, says",
+    [
+        (0.05, (1.0, 1.0), "the loader keeps up"),
+        (0.5, (0.95, 0.85), "workers 90% busy: the workers are the bottleneck; add workers"),
+        (0.5, (0.2, 0.3), "workers only 25% busy: the ring is too shallow .* raise prefetch_factor"),
+        (0.5, (), "the loop waits for data"),
+    ],
+)
+def test_advice_reads_loader_bound_and_worker_busy_together(wait_s: float, busy: tuple[float, ...], says: str) -> None:
+    s = shmloader.LoaderStats(batches=10, bytes=0, wait_s=wait_s, compute_s=1 - wait_s, copies=0, worker_restarts=0,
+                              overflow_batches=0, ring_growths=0, worker_busy=busy, ring=None)
+    assert re.search(says, s.advice), s.advice
+
+
+def test_bench_report_says_the_advice() -> None:
+    from shmloader._bench import report
+    from shmloader._bench.measure import Result
+
+    r = Result("tiny", "shmloader", 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, advice="loader-bound 50%, workers only 25% busy: x")
+    assert report([r, Result("tiny", "torch", 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0)]) == f"tiny: {r.advice}"
