@@ -779,6 +779,13 @@ class RingIterator(_BaseDataLoaderIter):
         self._shutdown_workers()
 
     def _block(self, request: tuple[Any, ...]) -> None:
+        began = time.perf_counter()
+        try:
+            self._wait_for(request)
+        finally:
+            self._counters.blocked_s += time.perf_counter() - began
+
+    def _wait_for(self, request: tuple[Any, ...]) -> None:
         if request is _COPY:
             assert self._stager is not None
             self._copied(self._stager.reap(block=True))
@@ -820,6 +827,13 @@ class RingIterator(_BaseDataLoaderIter):
         return result
 
     async def _await(self, request: tuple[Any, ...]) -> None:
+        began = time.perf_counter()
+        try:
+            await self._await_for(request)
+        finally:
+            self._counters.blocked_s += time.perf_counter() - began
+
+    async def _await_for(self, request: tuple[Any, ...]) -> None:
         if request is _COPY:
             await self._await_copy()
             return

@@ -59,6 +59,7 @@ def stats_of(loader: Any, it: Any) -> LoaderStats:
         batches=c.batches,
         bytes=c.bytes,
         wait_s=c.wait_s,
+        blocked_s=c.blocked_s,
         compute_s=c.compute_s,
         copies=c.copies,
         worker_restarts=c.worker_restarts,

@@ -13,13 +13,14 @@ import time
 class Counters:
     """Mutable tallies kept across the loader's iterators (epochs)."""
 
-    __slots__ = ("batches", "bytes", "wait_s", "compute_s", "copies", "worker_restarts", "overflow_batches",
-                 "ring_growths", "_last_return")
+    __slots__ = ("batches", "bytes", "wait_s", "blocked_s", "compute_s", "copies", "worker_restarts",
+                 "overflow_batches", "ring_growths", "_last_return")
 
     def __init__(self) -> None:
         self.batches = 0
         self.bytes = 0
         self.wait_s = 0.0
+        self.blocked_s = 0.0  # the part of wait_s spent blocked (semaphore, event loop, pipes)
         self.compute_s = 0.0
         self.copies = 0
         self.worker_restarts = 0
@@ -87,6 +88,9 @@ class LoaderStats:
     """Per worker, the fraction of time since it started that it spent producing batches."""
     ring: RingOccupancy | None
     """Slot occupancy of the current ring, or None before the first batch / without workers."""
+    blocked_s: float = 0.0
+    """The part of ``wait_s`` spent blocked, waiting for workers (or a device copy); the rest
+    is the loader's own per-batch work in the consumer's process."""
 
     @property
     def loader_bound(self) -> float:
@@ -100,10 +104,16 @@ class LoaderStats:
         """What ``loader_bound`` and ``worker_busy`` say together, in one sentence: the loader
         keeps up (at most 10% of the loop's time waiting); or the loop waits and the workers
         are busy (80% or more on average: add workers or make samples cheaper); or the loop
-        waits while the workers idle (the ring is too shallow: raise prefetch_factor)."""
+        waits while the workers idle (the ring is too shallow: raise prefetch_factor); or the
+        time in ``next()`` is mostly the loader's own work, not blocking (tiny batches)."""
         bound = self.loader_bound
         if bound <= 0.1:
             return f"loader-bound {bound:.0%}: the loader keeps up; more workers would not help"
+        if self.wait_s > 0 and self.blocked_s < 0.5 * self.wait_s and self.batches:
+            per_batch = (self.wait_s - self.blocked_s) / self.batches * 1e6
+            return (f"loader-bound {bound:.0%}, mostly the loader's own work in your process "
+                    f"({per_batch:.0f} µs a batch): batches this cheap are transport-bound; "
+                    "larger batches spread that cost")
         if not self.worker_busy:
             return f"loader-bound {bound:.0%}: the loop waits for data; more workers or cheaper samples would help"
         busy = sum(self.worker_busy) / len(self.worker_busy)

@@ -282,8 +282,8 @@ def worker_main(cfg: WorkerConfig, conn: Any, doorbell: InheritedFd) -> None:
     """Entry point of a worker process."""
     try:
         _worker_loop(cfg, conn, doorbell.fd)
-    except KeyboardInterrupt:
-        pass
+    except (KeyboardInterrupt, EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # Ctrl-C is the main process's; a broken setup pipe means the main process is gone
     finally:
         sys.stdout.flush()
 
@@ -422,8 +422,8 @@ def worker_replacement(cfg: WorkerConfig, geometry: RingGeometry, segment: Inher
         ring = AttachedRing.by_fd(geometry, segment.fd, cfg.worker_id)
         ring.counters[cfg.worker_id][Counter.STARTED_NS] = time.monotonic_ns()
         _serve(cfg, ring, _Producer(cfg), Mailbox(conn, parent, cfg.parent_check_s), init_error, doorbell.fd)
-    except KeyboardInterrupt:
-        pass
+    except (KeyboardInterrupt, EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # as in worker_main
 
 
 def _reattach(cfg: WorkerConfig, old: AttachedRing, mailbox: Mailbox) -> AttachedRing | None:

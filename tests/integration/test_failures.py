@@ -85,8 +85,23 @@ def test_loader_process_killed_workers_exit_and_nothing_is_left(tmp_path: pathli
     kill_and_check_nothing_is_left(proc)
 
 
-def kill_and_check_nothing_is_left(proc: subprocess.Popen[str]) -> None:
-    """Read the worker pids ``proc`` prints, SIGKILL it: its workers exit, /dev/shm holds nothing of it."""
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_loader_process_killed_while_its_workers_set_up_they_exit_quietly(tmp_path: pathlib.Path, context: str) -> None:
+    # Killed before the first batch: the workers wait on their setup pipe, which breaks.
+    proc = child(tmp_path, """
+        loader = shmloader.DataLoader(Range(1000), batch_size=2, num_workers=2,
+                                      multiprocessing_context=sys.argv[1])
+        it = iter(loader)
+        print(json.dumps([p.pid for p in it._pool.procs]), flush=True)
+        signal.pause()
+    """, context)
+    stderr = kill_and_check_nothing_is_left(proc)
+    assert "Traceback" not in stderr, stderr  # a parent gone is no error of the worker's
+
+
+def kill_and_check_nothing_is_left(proc: subprocess.Popen[str]) -> str:
+    """Read the worker pids ``proc`` prints, SIGKILL it: its workers exit, /dev/shm holds nothing
+    of it. Returns what it and its workers wrote to stderr."""
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line:
@@ -94,9 +109,10 @@ def kill_and_check_nothing_is_left(proc: subprocess.Popen[str]) -> None:
         raise AssertionError(proc.stderr.read() if proc.stderr else "no output")
     workers = json.loads(line)
     proc.kill()
-    proc.communicate()
+    _, stderr = proc.communicate()  # until the workers, which share the pipe, have exited too
     assert wait_exit(workers, timeout=10) == []
     assert shm_entries_of(proc.pid) == []
+    return stderr
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

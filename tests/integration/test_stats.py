@@ -84,18 +84,33 @@ def test_memory_budget_argument_is_validated() -> None:
 
 
 @pytest.mark.parametrize(
-    "wait_s, busy, says",
+    "wait_s, blocked_s, busy, says",
     [
-        (0.05, (1.0, 1.0), "the loader keeps up"),
-        (0.5, (0.95, 0.85), "workers 90% busy: the workers are the bottleneck; add workers"),
-        (0.5, (0.2, 0.3), "workers only 25% busy: the ring is too shallow .* raise prefetch_factor"),
-        (0.5, (), "the loop waits for data"),
+        (0.05, 0.05, (1.0, 1.0), "the loader keeps up"),
+        (0.5, 0.45, (0.95, 0.85), "workers 90% busy: the workers are the bottleneck; add workers"),
+        (0.5, 0.45, (0.2, 0.3), "workers only 25% busy: the ring is too shallow .* raise prefetch_factor"),
+        (0.5, 0.45, (), "the loop waits for data"),
+        (0.5, 0.1, (0.2, 0.3), r"mostly the loader's own work in your process \(40000 µs a batch\): .* transport-bound"),
     ],
 )
-def test_advice_reads_loader_bound_and_worker_busy_together(wait_s: float, busy: tuple[float, ...], says: str) -> None:
+def test_advice_reads_loader_bound_and_worker_busy_together(wait_s: float, blocked_s: float, busy: tuple[float, ...],
+                                                             says: str) -> None:
     s = shmloader.LoaderStats(batches=10, bytes=0, wait_s=wait_s, compute_s=1 - wait_s, copies=0, worker_restarts=0,
-                              overflow_batches=0, ring_growths=0, worker_busy=busy, ring=None)
+                              overflow_batches=0, ring_growths=0, worker_busy=busy, ring=None, blocked_s=blocked_s)
     assert re.search(says, s.advice), s.advice
+
+
+def test_blocked_time_is_part_of_the_wait() -> None:
+    import multiprocessing
+
+    from tests.datasets import Gated
+
+    gate = multiprocessing.get_context("fork").Event()
+    gate.set()
+    loader = shmloader.DataLoader(Gated(8, gate), batch_size=2, num_workers=1)
+    assert len(list(loader)) == 4
+    s = loader.stats()
+    assert 0 < s.blocked_s <= s.wait_s  # the first batch, at least, is waited for
 
 
 def test_bench_report_says_the_advice() -> None:
