@@ -17,6 +17,9 @@ from ._install import installed as installed
 from ._install import stats as stats
 from ._install import uninstall as uninstall
 from ._loader import DataLoader as DataLoader
+from ._share import SharedDict as SharedDict
+from ._share import SharedList as SharedList
+from ._share import share as share
 from ._stats import LoaderStats as LoaderStats
 from ._stats import RingOccupancy as RingOccupancy
 
@@ -27,12 +30,15 @@ __all__ = [
     "LoaderStats",
     "MemoryBudgetError",
     "RingOccupancy",
+    "SharedDict",
+    "SharedList",
     "SharedMemoryFullError",
     "ShmLoaderError",
     "WorkerDiedError",
     "get_worker_info",
     "install",
     "installed",
+    "share",
     "stats",
     "uninstall",
 ]

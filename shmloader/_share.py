@@ -1,0 +1,353 @@
+"""``shmloader.share(obj)``: a dataset's index in shared memory once, not once per worker.
+
+A list (or tuple, or dict) of millions of Python objects is copied page by page into every
+worker as the workers touch reference counts ("copy-on-read"). ``share`` stores each element
+pickled in one anonymous, sealed memory file (``memfd``) and returns a read-only container
+with the same read interface; reading an element unpickles a fresh copy of it (arrays and
+tensors inside it are views of the shared bytes), so a worker's reads never write to the
+shared pages and its memory stays flat whatever it reads.
+
+Layout of the file (little-endian)::
+
+    header   magic u64 | kind u64 (list, tuple, dict) | n u64 | blob offset u64 | data offset u64 | total u64
+    offsets  u64[n + 1]: element i is blob[offsets[i]:offsets[i + 1]] (a protocol-5 pickle)
+    views    u64[n]: how many arrays and tensors element i holds (0: plain ``pickle.loads``)
+    (dict)   keys u64[n + 1] (key i: blob[keys[i]:keys[i + 1]]), then hashes u64[n] sorted and
+             the element index of each, u64[n]: a key is found by binary search on its hash
+    blob     the pickles
+    data     the bytes of every array and tensor, 64-byte aligned (pickled as persistent ids)
+
+Nothing has a name: no ``/dev/shm`` entry exists at any moment, whoever dies when. The file
+is sealed once written (nobody can change it); every process maps it copy-on-write, so a
+write to an array view changes only that process's copy. It pickles as a handle (the file
+descriptor, passed as multiprocessing passes descriptors), not as data: torch's DataLoader
+and shmloader's send it to spawn and forkserver workers that way, and fork workers inherit
+the mapping.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import fcntl
+import hashlib
+import io
+import mmap
+import operator
+import os
+import pickle
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from multiprocessing import reduction
+
+MAGIC = 0x53484D53_48415245  # "SHMSHARE"
+KINDS: dict[type, int] = {list: 0, tuple: 1, dict: 2}
+_HEADER = 6 * 8
+_ALIGN = 64
+_SEALS = getattr(fcntl, "F_SEAL_SEAL", 1) | getattr(fcntl, "F_SEAL_SHRINK", 2) | getattr(fcntl, "F_SEAL_GROW", 4) | getattr(fcntl, "F_SEAL_WRITE", 8)
+
+
+def share(obj: Any) -> Any:
+    """A read-only, shared-memory copy of ``obj`` (a list, tuple or dict of picklable values):
+    ``SharedList`` (tuples too) or ``SharedDict``. A numpy array or CPU tensor is shared as it
+    is and comes back as a view. Elements come back as fresh copies (their arrays and tensors
+    as views of the shared bytes, copy-on-write)."""
+    if isinstance(obj, (np.ndarray, torch.Tensor)):
+        return share([obj])[0]
+    kind = KINDS.get(type(obj))
+    if kind is None:
+        if isinstance(obj, collections.abc.Mapping):
+            kind = KINDS[dict]
+        elif isinstance(obj, (list, tuple)):
+            kind = KINDS[tuple if isinstance(obj, tuple) else list]
+        else:
+            raise TypeError(f"share() takes a list, tuple, dict, numpy array or CPU tensor, not {type(obj).__name__}")
+    if kind == KINDS[dict]:
+        keys = list(obj.keys())
+        values = [obj[k] for k in keys]
+    else:
+        keys, values = [], list(obj)
+    fd, size = _write(kind, keys, values)
+    return _open(fd, size)
+
+
+# --------------------------------------------------------------------- writing
+class _Leaves:
+    """Arrays and tensors of the elements, laid out for the data area."""
+
+    def __init__(self) -> None:
+        self.chunks: list[tuple[int, np.ndarray[Any, Any]]] = []  # (offset in data area, bytes)
+        self.size = 0
+
+    def add(self, array: np.ndarray[Any, Any]) -> int:
+        off = -(-self.size // _ALIGN) * _ALIGN
+        raw = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
+        self.chunks.append((off, raw))
+        self.size = off + raw.nbytes
+        return off
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO, leaves: _Leaves) -> None:
+        super().__init__(file, protocol=5)
+        self._leaves = leaves
+
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj) is np.ndarray and obj.dtype.hasobject is False and not obj.dtype.fields:
+            off = self._leaves.add(obj)
+            return ("a", off, obj.dtype.str, obj.shape)
+        if type(obj) is torch.Tensor and obj.layout is torch.strided and obj.device.type == "cpu":
+            if obj.requires_grad:
+                raise TypeError("share(): a tensor that requires grad cannot be shared (detach() it first)")
+            t = obj.detach().contiguous()
+            off = self._leaves.add(t.view(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8))
+            return ("t", off, str(obj.dtype).removeprefix("torch."), tuple(obj.shape))
+        return None
+
+
+def _pickled(values: list[Any], leaves: _Leaves) -> tuple[bytes, list[int], list[int]]:
+    """The elements' pickles, one after the other; their offsets; how many views each holds."""
+    buf = io.BytesIO()
+    offsets = [0]
+    views = []
+    pickler = _Pickler(buf, leaves)
+    for value in values:
+        before = len(leaves.chunks)
+        pickler.dump(value)
+        pickler.clear_memo()  # every element unpickles on its own
+        offsets.append(buf.tell())
+        views.append(len(leaves.chunks) - before)
+    return buf.getvalue(), offsets, views
+
+
+def _key_hash(key_pickle: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(key_pickle, digest_size=8).digest(), "little")
+
+
+def _write(kind: int, keys: list[Any], values: list[Any]) -> tuple[int, int]:
+    leaves = _Leaves()
+    n = len(values)
+    value_blob, value_offsets, views = _pickled(values, leaves)
+    parts = [np.asarray(value_offsets, dtype="<u8"), np.asarray(views, dtype="<u8")]
+    blob = value_blob
+    if kind == KINDS[dict]:
+        key_pickles = [pickle.dumps(k, protocol=5) for k in keys]
+        key_offsets = [len(blob)]
+        for kp in key_pickles:
+            key_offsets.append(key_offsets[-1] + len(kp))
+        blob = blob + b"".join(key_pickles)
+        hashes = np.asarray([_key_hash(kp) for kp in key_pickles], dtype="<u8")
+        order = np.argsort(hashes, kind="stable").astype("<u8")
+        parts += [np.asarray(key_offsets, dtype="<u8"), hashes[order], order]
+    tables = b"".join(p.tobytes() for p in parts)
+    blob_off = _HEADER + len(tables)
+    data_off = -(-(blob_off + len(blob)) // _ALIGN) * _ALIGN
+    total = max(data_off + leaves.size, 1)
+    header = np.asarray([MAGIC, kind, n, blob_off, data_off, total], dtype="<u8").tobytes()
+    fd = os.memfd_create("shmloader-share", os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 2))
+    try:
+        os.ftruncate(fd, total)
+        with mmap.mmap(fd, total) as mm:
+            mm[:_HEADER] = header
+            mm[_HEADER:blob_off] = tables
+            mm[blob_off : blob_off + len(blob)] = blob
+            target = np.frombuffer(mm, dtype=np.uint8)
+            for off, raw in leaves.chunks:
+                target[data_off + off : data_off + off + raw.nbytes] = raw
+            del target
+        fcntl.fcntl(fd, getattr(fcntl, "F_ADD_SEALS", 1033), _SEALS)  # nobody may change it from here on
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, total
+
+
+# --------------------------------------------------------------------- reading
+def _open(fd: int, size: int) -> Any:
+    store, kind = _Store.attach(fd, size)
+    if kind == KINDS[dict]:
+        return SharedDict(store)
+    return SharedList(store, tuple_=kind == KINDS[tuple])
+
+
+class _Store:
+    """The mapped file, its tables, and element decoding (shared by the containers). It
+    pickles as its file descriptor."""
+
+    def __init__(self, fd: int, mm: mmap.mmap, n: int, blob_off: int, data_off: int) -> None:
+        self.fd, self.mm, self.n, self.blob_off, self.data_off = fd, mm, n, blob_off, data_off
+        # Plain ints: indexing a numpy array costs more per read.
+        self.offsets = np.frombuffer(mm, dtype="<u8", count=n + 1, offset=_HEADER).tolist()
+        self.views = np.frombuffer(mm, dtype="<u8", count=n, offset=_HEADER + (n + 1) * 8).tolist()
+        self.tables_end = _HEADER + (2 * n + 1) * 8
+        self.bytes = np.frombuffer(mm, dtype=np.uint8)
+        self.blob = memoryview(mm)[blob_off:data_off]  # pickle.loads reads it without a copy
+        self.size = len(mm)
+
+    @classmethod
+    def attach(cls, fd: int, size: int) -> tuple[_Store, int]:
+        """Map ``fd`` (owned from here on) copy-on-write: a write stays this process's."""
+        try:
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)
+            head = np.frombuffer(mm, dtype="<u8", count=6)
+            if int(head[0]) != MAGIC or int(head[5]) != size:
+                raise ValueError("not a shmloader.share() file (or a truncated one)")
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(fd, mm, int(head[2]), int(head[3]), int(head[4])), int(head[1])
+
+    def element(self, i: int) -> Any:
+        offsets = self.offsets
+        data = self.blob[offsets[i] : offsets[i + 1]]
+        if not self.views[i]:
+            return pickle.loads(data)  # the C unpickler, nothing to map
+        return _Unpickler(bytes(data), self).load()
+
+    def view(self, pid: tuple[Any, ...]) -> Any:
+        kind, off, dtype, shape = pid
+        dt = np.dtype(dtype) if kind == "a" else getattr(torch, dtype)
+        count = 1
+        for d in shape:
+            count *= d
+        start = self.data_off + off
+        nbytes = count * dt.itemsize
+        if not (0 <= start and start + nbytes <= self.size):
+            raise ValueError(f"share(): a view [{start}, +{nbytes}) lies outside the file")
+        raw = self.bytes[start : start + nbytes]
+        if kind == "a":
+            out = raw.view(dt).reshape(shape)
+            out.flags.writeable = False  # numpy can refuse writes; torch cannot (see the README)
+            return out
+        if count == 0:
+            return torch.empty(shape, dtype=dt)
+        return torch.from_numpy(raw).view(dt).view(shape)
+
+    def __reduce__(self) -> Any:
+        # The descriptor, as multiprocessing passes them (to a process it starts, or through
+        # its resource sharer): never the data.
+        return (_attach, (reduction.DupFd(self.fd), self.size))
+
+    def __del__(self) -> None:
+        fd = getattr(self, "fd", -1)
+        if fd >= 0:
+            self.fd = -1
+            os.close(fd)
+
+
+def _attach(dup: Any, size: int) -> _Store:
+    return _Store.attach(dup.detach(), size)[0]
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, store: _Store) -> None:
+        super().__init__(io.BytesIO(data))
+        self._store = store
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self._store.view(pid)
+
+
+class SharedList(collections.abc.Sequence):  # type: ignore[type-arg]
+    """A read-only list (or tuple) in shared memory: ``len``, indexing (negative too), slicing
+    (a list of copies), iteration, ``in``, ``index``, ``count``. Each read returns a fresh
+    copy of the element; its arrays and tensors are views of the shared bytes."""
+
+    __slots__ = ("_store", "_tuple")
+
+    def __init__(self, store: _Store, tuple_: bool = False) -> None:
+        self._store = store
+        self._tuple = tuple_
+
+    def __len__(self) -> int:
+        return self._store.n
+
+    def __getitem__(self, i: Any) -> Any:
+        store = self._store
+        if type(i) is int and 0 <= i < store.n:  # the common case first
+            return store.element(i)
+        if isinstance(i, slice):
+            items = [store.element(j) for j in range(*i.indices(store.n))]
+            return tuple(items) if self._tuple else items
+        i = operator.index(i)
+        if i < 0:
+            i += store.n
+        if not 0 <= i < store.n:
+            raise IndexError(f"shared {'tuple' if self._tuple else 'list'} index out of range")
+        return store.element(i)
+
+    def __iter__(self) -> Iterator[Any]:
+        element = self._store.element
+        for i in range(self._store.n):
+            yield element(i)
+
+    def __reduce__(self) -> Any:
+        return (SharedList, (self._store, self._tuple))
+
+    def __repr__(self) -> str:
+        return f"<shmloader shared {'tuple' if self._tuple else 'list'} of {len(self):,} elements>"
+
+
+class SharedDict(collections.abc.Mapping):  # type: ignore[type-arg]
+    """A read-only dict in shared memory: ``len``, ``d[key]``, ``get``, ``in``, iteration and
+    ``keys()`` / ``values()`` / ``items()`` in insertion order. Keys are found by a binary
+    search on their hash in the shared file (no per-process index is built)."""
+
+    __slots__ = ("_store", "_keys", "_hashes", "_order")
+
+    def __init__(self, store: _Store) -> None:
+        self._store = store
+        n = store.n
+        base = store.tables_end
+        self._keys = np.frombuffer(store.mm, dtype="<u8", count=n + 1, offset=base).tolist()
+        self._hashes = np.frombuffer(store.mm, dtype="<u8", count=n, offset=base + (n + 1) * 8)
+        self._order = np.frombuffer(store.mm, dtype="<u8", count=n, offset=base + (2 * n + 1) * 8)
+
+    def _key_bytes(self, j: int) -> bytes:
+        s = self._store
+        return s.mm[s.blob_off + self._keys[j] : s.blob_off + self._keys[j + 1]]
+
+    def _index(self, key: Any) -> int:
+        try:
+            kp = pickle.dumps(key, protocol=5)
+        except Exception:
+            raise KeyError(key) from None
+        h = _key_hash(kp)
+        pos = int(np.searchsorted(self._hashes, np.uint64(h)))
+        while pos < self._store.n and int(self._hashes[pos]) == h:
+            j = int(self._order[pos])
+            if self._key_bytes(j) == kp or pickle.loads(self._key_bytes(j)) == key:
+                return j
+            pos += 1
+        raise KeyError(key)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._store.element(self._index(key))
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            self._index(key)
+        except KeyError:
+            return False
+        return True
+
+    def __len__(self) -> int:
+        return self._store.n
+
+    def __iter__(self) -> Iterator[Any]:
+        for j in range(self._store.n):
+            yield pickle.loads(self._key_bytes(j))
+
+    def items(self) -> Any:
+        return [(pickle.loads(self._key_bytes(j)), self._store.element(j)) for j in range(self._store.n)]
+
+    def values(self) -> Any:
+        return [self._store.element(j) for j in range(self._store.n)]
+
+    def __reduce__(self) -> Any:
+        return (SharedDict, (self._store,))
+
+    def __repr__(self) -> str:
+        return f"<shmloader shared dict of {len(self):,} items>"
+
