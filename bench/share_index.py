@@ -40,6 +40,19 @@ class Index(Dataset):  # type: ignore[type-arg]
         return torch.tensor([e["label"], e["size"], len(e["path"])])
 
 
+class Synthetic:
+    """The entries made on demand: no index held anywhere (the workers' own baseline)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"path": f"/data/class{i % 1000:04d}/img{i:08d}.jpg", "label": i % 1000, "size": 1000 + i % 5000}
+
+
 def uss(pid: int) -> tuple[int, int]:
     """(USS, its dirty part). USS also counts pages of the shared file that only this process
     has mapped so far (Private_Clean): they are the shared file's pages, not copies. Copies
@@ -102,9 +115,22 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--rows", default="baseline,generator,torch,shmloader,share", help="which runs, comma-separated")
     a = p.parse_args()
-    entries = [{"path": f"/data/class{i % 1000:04d}/img{i:08d}.jpg", "label": i % 1000, "size": 1000 + i % 5000}
-               for i in range(a.n)]
+    rows = a.rows.split(",")
+    kw: dict[str, Any] = dict(batch_size=a.batch_size, num_workers=a.workers, persistent_workers=True,
+                              multiprocessing_context="fork")
+    print("| loader / index | batches/s | tree peak PSS MB | worker USS growth MB | of which dirty (copied) MB |")
+    print("|---|---|---|---|---|")
+    if "baseline" in rows:  # before any index exists in this process
+        run("shmloader / no index (entries made on demand)", shmloader.DataLoader(Index(Synthetic(a.n), a.n), **kw),
+            a.epochs)
+    if "generator" in rows:  # still no list of Python objects in this process
+        made = Synthetic(a.n)
+        streamed = shmloader.share(made[i] for i in range(a.n))
+        run("shmloader / share(generator)", shmloader.DataLoader(Index(streamed, a.n), **kw), a.epochs)
+        del streamed
+    entries = [Synthetic(a.n)[i] for i in range(a.n)]
     gc.collect()
     main_pss = pss_bytes([os.getpid()])
     began = time.perf_counter()
@@ -122,15 +148,15 @@ def main() -> None:
             e["label"]
         print(f"random __getitem__ + one field, {name}: {1e9 * (time.perf_counter() - began) / len(picks):,.0f} ns")
 
-    kw: dict[str, Any] = dict(batch_size=a.batch_size, num_workers=a.workers, persistent_workers=True,
-                              multiprocessing_context="fork")
-    print("| loader / index | batches/s | tree peak PSS MB | worker USS growth MB | of which dirty (copied) MB |")
-    print("|---|---|---|---|---|")
-    run("torch / plain list", torch.utils.data.DataLoader(Index(entries, a.n), **kw), a.epochs)
-    run("shmloader / plain list", shmloader.DataLoader(Index(entries, a.n), **kw), a.epochs)
+    if "torch" in rows:
+        run("torch / plain list", torch.utils.data.DataLoader(Index(entries, a.n), **kw), a.epochs)
+    if "shmloader" in rows:
+        run("shmloader / plain list", shmloader.DataLoader(Index(entries, a.n), **kw), a.epochs)
     del entries
     gc.collect()
-    run("shmloader / share()", shmloader.DataLoader(Index(shared, a.n), **kw), a.epochs)
+    if "share" in rows:
+        run("shmloader / share() (the plain list built, shared, dropped)",
+            shmloader.DataLoader(Index(shared, a.n), **kw), a.epochs)
 
 
 if __name__ == "__main__":

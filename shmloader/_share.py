@@ -35,7 +35,7 @@ import mmap
 import operator
 import os
 import pickle
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -49,8 +49,9 @@ _SEALS = getattr(fcntl, "F_SEAL_SEAL", 1) | getattr(fcntl, "F_SEAL_SHRINK", 2) |
 
 
 def share(obj: Any) -> Any:
-    """A read-only, shared-memory copy of ``obj`` (a list, tuple or dict of picklable values):
-    ``SharedList`` (tuples too) or ``SharedDict``. A numpy array or CPU tensor is shared as it
+    """A read-only, shared-memory copy of ``obj`` (a list, tuple or dict of picklable values,
+    or an iterator of them: a generator's entries are stored as they come, so the whole list
+    never exists as Python objects): ``SharedList`` (tuples too) or ``SharedDict``. A numpy array or CPU tensor is shared as it
     is and comes back as a view. Elements come back as fresh copies (their arrays and tensors
     as views of the shared bytes, copy-on-write)."""
     if isinstance(obj, (np.ndarray, torch.Tensor)):
@@ -61,13 +62,16 @@ def share(obj: Any) -> Any:
             kind = KINDS[dict]
         elif isinstance(obj, (list, tuple)):
             kind = KINDS[tuple if isinstance(obj, tuple) else list]
+        elif isinstance(obj, collections.abc.Iterator):
+            kind = KINDS[list]  # a generator: the entries are stored as they come, never all held
         else:
-            raise TypeError(f"share() takes a list, tuple, dict, numpy array or CPU tensor, not {type(obj).__name__}")
+            raise TypeError(f"share() takes a list, tuple, dict, iterator, numpy array or CPU tensor, "
+                            f"not {type(obj).__name__}")
+    keys: list[Any] = []
+    values: Iterable[Any] = obj
     if kind == KINDS[dict]:
         keys = list(obj.keys())
-        values = [obj[k] for k in keys]
-    else:
-        keys, values = [], list(obj)
+        values = (obj[k] for k in keys)
     fd, size = _write(kind, keys, values)
     return _open(fd, size)
 
@@ -106,7 +110,7 @@ class _Pickler(pickle.Pickler):
         return None
 
 
-def _pickled(values: list[Any], leaves: _Leaves) -> tuple[bytes, list[int], list[int]]:
+def _pickled(values: Iterable[Any], leaves: _Leaves) -> tuple[bytes, list[int], list[int]]:
     """The elements' pickles, one after the other; their offsets; how many views each holds."""
     buf = io.BytesIO()
     offsets = [0]
@@ -125,10 +129,10 @@ def _key_hash(key_pickle: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(key_pickle, digest_size=8).digest(), "little")
 
 
-def _write(kind: int, keys: list[Any], values: list[Any]) -> tuple[int, int]:
+def _write(kind: int, keys: list[Any], values: Iterable[Any]) -> tuple[int, int]:
     leaves = _Leaves()
-    n = len(values)
     value_blob, value_offsets, views = _pickled(values, leaves)
+    n = len(views)
     parts = [np.asarray(value_offsets, dtype="<u8"), np.asarray(views, dtype="<u8")]
     blob = value_blob
     if kind == KINDS[dict]:

@@ -104,10 +104,16 @@ def test_it_cannot_be_changed() -> None:
         shared_dict["a"] = 2  # type: ignore[index]
     with pytest.raises(AttributeError):
         shared_list.append(3)  # type: ignore[attr-defined]
-    with pytest.raises(TypeError, match="share\\(\\) takes a list, tuple, dict"):
+    with pytest.raises(TypeError, match="share\\(\\) takes a list, tuple, dict, iterator"):
         shmloader.share({1, 2})
     with pytest.raises(PermissionError):  # the file is sealed: not even its descriptor can write it
         os.pwrite(shared_list._store.fd, b"x", 0)
+
+
+def test_a_generator_is_stored_as_it_comes() -> None:
+    shared = shmloader.share({"path": f"/data/{i}.jpg", "label": i} for i in range(500))
+    assert len(shared) == 500 and shared[499] == {"path": "/data/499.jpg", "label": 499}
+    assert list(shmloader.share(iter([]))) == []
 
 
 def test_nothing_appears_in_dev_shm() -> None:
