@@ -27,6 +27,7 @@ the mapping.
 
 from __future__ import annotations
 
+import array
 import collections.abc
 import fcntl
 import hashlib
@@ -35,6 +36,7 @@ import mmap
 import operator
 import os
 import pickle
+import sys
 from typing import Any, Iterable, Iterator
 
 import numpy as np
@@ -110,11 +112,13 @@ class _Pickler(pickle.Pickler):
         return None
 
 
-def _pickled(values: Iterable[Any], leaves: _Leaves) -> tuple[bytes, list[int], list[int]]:
-    """The elements' pickles, one after the other; their offsets; how many views each holds."""
+def _pickled(values: Iterable[Any], leaves: _Leaves) -> tuple[bytes, array.array[int], array.array[int]]:
+    """The elements' pickles, one after the other; their offsets; how many views each holds.
+    (Arrays of machine ints, not lists: millions of int objects freed here would be reused
+    by forked workers, page by page.)"""
     buf = io.BytesIO()
-    offsets = [0]
-    views = []
+    offsets = array.array("Q", [0])
+    views = array.array("Q")
     pickler = _Pickler(buf, leaves)
     for value in values:
         before = len(leaves.chunks)
@@ -133,7 +137,8 @@ def _write(kind: int, keys: list[Any], values: Iterable[Any]) -> tuple[int, int]
     leaves = _Leaves()
     value_blob, value_offsets, views = _pickled(values, leaves)
     n = len(views)
-    parts = [np.asarray(value_offsets, dtype="<u8"), np.asarray(views, dtype="<u8")]
+    parts = [np.frombuffer(value_offsets, dtype=np.uint64).astype("<u8"),
+             np.frombuffer(views, dtype=np.uint64).astype("<u8")]
     blob = value_blob
     if kind == KINDS[dict]:
         key_pickles = [pickle.dumps(k, protocol=5) for k in keys]
@@ -181,9 +186,11 @@ class _Store:
 
     def __init__(self, fd: int, mm: mmap.mmap, n: int, blob_off: int, data_off: int) -> None:
         self.fd, self.mm, self.n, self.blob_off, self.data_off = fd, mm, n, blob_off, data_off
-        # Plain ints: indexing a numpy array costs more per read.
-        self.offsets = np.frombuffer(mm, dtype="<u8", count=n + 1, offset=_HEADER).tolist()
-        self.views = np.frombuffer(mm, dtype="<u8", count=n, offset=_HEADER + (n + 1) * 8).tolist()
+        # Tables are read in place through memoryviews: an index makes a fresh int. (A list of
+        # ints here would be millions of objects whose reference counts every read writes:
+        # the very copy-on-read this module exists to end.)
+        self.offsets = _u64s(mm, _HEADER, n + 1)
+        self.views = _u64s(mm, _HEADER + (n + 1) * 8, n)
         self.tables_end = _HEADER + (2 * n + 1) * 8
         self.bytes = np.frombuffer(mm, dtype=np.uint8)
         self.blob = memoryview(mm)[blob_off:data_off]  # pickle.loads reads it without a copy
@@ -204,7 +211,7 @@ class _Store:
 
     def element(self, i: int) -> Any:
         offsets = self.offsets
-        data = self.blob[offsets[i] : offsets[i + 1]]
+        data = self.blob[int(offsets[i]) : int(offsets[i + 1])]
         if not self.views[i]:
             return pickle.loads(data)  # the C unpickler, nothing to map
         return _Unpickler(bytes(data), self).load()
@@ -238,6 +245,13 @@ class _Store:
         if fd >= 0:
             self.fd = -1
             os.close(fd)
+
+
+def _u64s(mm: mmap.mmap, offset: int, count: int) -> Any:
+    """``count`` little-endian u64 at ``offset``, indexable as ints without copying them."""
+    if sys.byteorder == "little":
+        return memoryview(mm)[offset : offset + 8 * count].cast("Q")
+    return np.frombuffer(mm, dtype="<u8", count=count, offset=offset)  # (slower: numpy scalars)
 
 
 def _attach(dup: Any, size: int) -> _Store:
@@ -304,13 +318,13 @@ class SharedDict(collections.abc.Mapping):  # type: ignore[type-arg]
         self._store = store
         n = store.n
         base = store.tables_end
-        self._keys = np.frombuffer(store.mm, dtype="<u8", count=n + 1, offset=base).tolist()
+        self._keys = _u64s(store.mm, base, n + 1)
         self._hashes = np.frombuffer(store.mm, dtype="<u8", count=n, offset=base + (n + 1) * 8)
         self._order = np.frombuffer(store.mm, dtype="<u8", count=n, offset=base + (2 * n + 1) * 8)
 
     def _key_bytes(self, j: int) -> bytes:
         s = self._store
-        return s.mm[s.blob_off + self._keys[j] : s.blob_off + self._keys[j + 1]]
+        return s.mm[s.blob_off + int(self._keys[j]) : s.blob_off + int(self._keys[j + 1])]
 
     def _index(self, key: Any) -> int:
         try:
