@@ -168,6 +168,22 @@ static PyObject *py_store_release(PyObject *self, PyObject *const *args, Py_ssiz
     Py_RETURN_NONE;
 }
 
+/* Whether buffer bytes [off, off + size) exist and off is 8-byte aligned. */
+static int fits(const Py_buffer *view, Py_ssize_t off, Py_ssize_t size) {
+    return off >= 0 && off <= view->len - size && off % 8 == 0;
+}
+
+/* Store the ints of `seq` (from PySequence_Fast) as int64 at `h`; -1 with an exception set
+   when one is not an int. */
+static int store_ints(PyObject *seq, char *h) {
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (v == -1 && PyErr_Occurred()) return -1;
+        ((int64_t *)h)[i] = (int64_t)v;
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(post_task_doc,
 "post_task($module, buffer, header, fields, payload, data, entry, slot, sem, /)\n--\n\n"
 "Hand a task to a worker in one call: store the int64 values of `fields` at buffer[header:]\n"
@@ -191,16 +207,11 @@ static PyObject *py_post_task(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     char *h = at(buffer, &view, header, n * 8, 8);
     if (h == NULL) goto done;
-    if (sem_off < 0 || sem_off > view.len - SEM_STRIDE || sem_off % 8 || entry < 0 || entry > view.len - 8 ||
-        entry % 8 || data < 0 || data > view.len - payload.len) {
+    if (!fits(&view, sem_off, SEM_STRIDE) || !fits(&view, entry, 8) || data < 0 || data > view.len - payload.len) {
         PyErr_SetString(PyExc_ValueError, "post_task: an offset lies outside the buffer or is misaligned");
         goto release;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
-        if (v == -1 && PyErr_Occurred()) goto release;
-        ((int64_t *)h)[i] = (int64_t)v;
-    }
+    if (store_ints(seq, h) < 0) goto release;
     memcpy((char *)view.buf + data, payload.buf, (size_t)payload.len);
     *(int64_t *)((char *)view.buf + entry) = (int64_t)slot;
     if (sem_post((sem_t *)((char *)view.buf + sem_off)) != 0) {
@@ -237,16 +248,11 @@ static PyObject *py_publish(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     char *h = at(buffer, &view, header + first * 8, n * 8, 8);
     if (h == NULL) goto done;
-    if (state < 0 || state > view.len - 8 || state % 8 || sem_off < 0 || sem_off > view.len - SEM_STRIDE ||
-        sem_off % 8 || flag < 0 || flag > view.len - 8 || flag % 8) {
+    if (!fits(&view, state, 8) || !fits(&view, sem_off, SEM_STRIDE) || !fits(&view, flag, 8)) {
         PyErr_SetString(PyExc_ValueError, "publish: an offset lies outside the buffer or is misaligned");
         goto release;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
-        if (v == -1 && PyErr_Occurred()) goto release;
-        ((int64_t *)h)[i] = (int64_t)v;
-    }
+    if (store_ints(seq, h) < 0) goto release;
     __atomic_store_n((int64_t *)((char *)view.buf + state), (int64_t)done, __ATOMIC_RELEASE);
     if (sem_post((sem_t *)((char *)view.buf + sem_off)) != 0) {
         PyErr_SetFromErrno(PyExc_OSError);
