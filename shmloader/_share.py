@@ -37,25 +37,27 @@ import operator
 import os
 import pickle
 import sys
+from multiprocessing import reduction
 from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
-from multiprocessing import reduction
 
 MAGIC = 0x53484D53_48415245  # "SHMSHARE"
 KINDS: dict[type, int] = {list: 0, tuple: 1, dict: 2}
 _HEADER = 6 * 8
 _ALIGN = 64
-_SEALS = getattr(fcntl, "F_SEAL_SEAL", 1) | getattr(fcntl, "F_SEAL_SHRINK", 2) | getattr(fcntl, "F_SEAL_GROW", 4) | getattr(fcntl, "F_SEAL_WRITE", 8)
+# Once written: no more seals, no size change, no write (through any descriptor or mapping).
+_SEALS = (getattr(fcntl, "F_SEAL_SEAL", 1) | getattr(fcntl, "F_SEAL_SHRINK", 2) | getattr(fcntl, "F_SEAL_GROW", 4)
+          | getattr(fcntl, "F_SEAL_WRITE", 8))
 
 
 def share(obj: Any) -> Any:
-    """A read-only, shared-memory copy of ``obj`` (a list, tuple or dict of picklable values,
-    or an iterator of them: a generator's entries are stored as they come, so the whole list
-    never exists as Python objects): ``SharedList`` (tuples too) or ``SharedDict``. A numpy array or CPU tensor is shared as it
-    is and comes back as a view. Elements come back as fresh copies (their arrays and tensors
-    as views of the shared bytes, copy-on-write)."""
+    """A read-only, shared-memory copy of ``obj``: ``SharedList`` for a list or tuple (a tuple
+    stays a tuple) or an iterator (its entries are stored as they come, so the whole list
+    never exists as Python objects), ``SharedDict`` for a dict; the values picklable. A numpy
+    array or CPU tensor is shared as it is and comes back as a view. Elements come back as
+    fresh copies, their arrays and tensors as views of the shared bytes (copy-on-write)."""
     if isinstance(obj, (np.ndarray, torch.Tensor)):
         return share([obj])[0]
     kind = KINDS.get(type(obj))
