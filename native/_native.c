@@ -23,7 +23,7 @@
 #include <string.h>
 
 #define TABLE_MAGIC 0x544C4853u /* "SHLT" little-endian */
-#define MAX_NDIM 32
+#define MAX_NDIM 64 /* torch's limit */
 #define ENTRY_FIXED 24
 #define LEAF_ALIGN 64
 #define N_KINDS 2
@@ -45,6 +45,20 @@ static const uint8_t ITEMSIZE[] = {
     2,  /* 12 uint16 */
     4,  /* 13 uint32 */
     8,  /* 14 uint64 */
+    4,  /* 15 complex32 (torch only, as are the rest) */
+    1,  /* 16 float8_e4m3fn */
+    1,  /* 17 float8_e4m3fnuz */
+    1,  /* 18 float8_e5m2 */
+    1,  /* 19 float8_e5m2fnuz */
+    1,  /* 20 float8_e8m0fnu */
+    1,  /* 21 float4_e2m1fn_x2 */
+    1,  /* 22 bits8 */
+    2,  /* 23 bits16 */
+    1,  /* 24 bits1x8 */
+    1,  /* 25 bits2x4 */
+    1,  /* 26 bits4x2 */
+    1, 1, 1, 1, 1, 1, 1, /* 27-33 uint1 .. uint7 */
+    1, 1, 1, 1, 1, 1, 1, /* 34-40 int1 .. int7 */
 };
 #define N_CODES ((int)(sizeof(ITEMSIZE) / sizeof(ITEMSIZE[0])))
 

@@ -25,7 +25,8 @@ import torch
 from torch.utils.data._utils import collate as torch_collate
 
 from . import _native
-from ._layout import CODE_OF_DTYPE, CODE_OF_NP_DTYPE, LEAF_ALIGN, LONE_LEAF, Kind, round_up, table_bytes, view_leaf
+from ._layout import (CODE_OF_DTYPE, CODE_OF_NP_DTYPE, LEAF_ALIGN, LONE_LEAF, TORCH_ONLY_CODES, Kind, round_up,
+                      table_bytes, view_leaf)
 
 Leaf = tuple[int, int, int, tuple[int, ...]]  # (dtype code, kind, offset, shape)
 _VIEW_CACHE = 256  # leaf views a writer keeps (a batch with many leaves, shapes that vary: start over)
@@ -106,7 +107,11 @@ class SlotWriter:
                 or obj.dtype not in CODE_OF_DTYPE
             ):
                 return None
-            self.tensor(obj.dtype, tuple(obj.shape)).copy_(obj)
+            out = self.tensor(obj.dtype, tuple(obj.shape))
+            if CODE_OF_DTYPE[obj.dtype] < TORCH_ONLY_CODES and obj.dtype is not torch.bfloat16:
+                out.copy_(obj)
+            else:  # float8, sub-byte and bit types: torch copies them as bytes only
+                out.view(torch.uint8).copy_(obj.view(torch.uint8))
         elif type(obj) is np.ndarray and obj.dtype in CODE_OF_NP_DTYPE:
             np.copyto(self.array(obj.dtype, obj.shape), obj, casting="no")
         else:

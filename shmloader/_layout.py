@@ -103,30 +103,27 @@ class Kind(enum.IntEnum):
     NUMPY = 1
 
 
-# Dtype codes: the order must match ITEMSIZE in native/_native.c.
-DTYPES: Final[tuple[torch.dtype, ...]] = (
-    torch.bool,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-    torch.complex64,
-    torch.complex128,
-    torch.uint16,
-    torch.uint32,
-    torch.uint64,
+# Dtype codes: the order must match ITEMSIZE in native/_native.c. Codes are never reused;
+# a dtype this torch lacks (an older version) keeps its code with no dtype behind it.
+_DTYPE_NAMES: Final = (
+    "bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64",
+    "complex64", "complex128", "uint16", "uint32", "uint64",
+    # Carried through torch only (numpy has no such types), like bfloat16:
+    "complex32", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float4_e2m1fn_x2", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2",
+    "uint1", "uint2", "uint3", "uint4", "uint5", "uint6", "uint7",
+    "int1", "int2", "int3", "int4", "int5", "int6", "int7",
 )
-CODE_OF_DTYPE: Final = {dt: i for i, dt in enumerate(DTYPES)}
+DTYPES: Final[tuple[torch.dtype | None, ...]] = tuple(getattr(torch, name, None) for name in _DTYPE_NAMES)
+CODE_OF_DTYPE: Final = {dt: i for i, dt in enumerate(DTYPES) if dt is not None}
+TORCH_ONLY_CODES: Final = 15  # the codes from complex32 on; before it numpy has them all but bfloat16
+_NUMPY_MAX_NDIM: Final = 32  # numpy 1.x's limit (2.x: 64); a tensor with more dimensions is viewed through torch
 # The C codec has its own item-size table (native/_native.c) and kind count: they must agree.
-if tuple(dt.itemsize for dt in DTYPES) != _native.ITEMSIZES or len(Kind) != _native.N_KINDS:
+if (len(DTYPES) != len(_native.ITEMSIZES) or len(Kind) != _native.N_KINDS
+        or any(dt is not None and dt.itemsize != size for dt, size in zip(DTYPES, _native.ITEMSIZES))):
     raise ImportError(
         f"shmloader._native's dtype table {_native.ITEMSIZES} (kinds: {_native.N_KINDS}) does not match "
-        f"_layout.DTYPES {tuple(dt.itemsize for dt in DTYPES)} (kinds: {len(Kind)}): rebuild the extension"
+        f"_layout.DTYPES {tuple(dt and dt.itemsize for dt in DTYPES)} (kinds: {len(Kind)}): rebuild the extension"
     )
 
 
@@ -135,8 +132,8 @@ def table_bytes(shapes: Iterable[tuple[int, ...]]) -> int:
     return _native.TABLE_HEAD + sum(_native.ENTRY_FIXED + 8 * len(shape) for shape in shapes)
 # numpy dtype per code, None where numpy has no such type (bfloat16).
 NP_DTYPES: Final[tuple[np.dtype[np.generic] | None, ...]] = tuple(
-    None if dt is torch.bfloat16 else np.dtype(torch.empty(0, dtype=dt).numpy().dtype)
-    for dt in DTYPES
+    np.dtype(torch.empty(0, dtype=dt).numpy().dtype) if i < TORCH_ONLY_CODES and dt is not torch.bfloat16 else None
+    for i, dt in enumerate(DTYPES)
 )
 CODE_OF_NP_DTYPE: Final = {d: i for i, d in enumerate(NP_DTYPES) if d is not None}
 
@@ -149,16 +146,20 @@ def view_leaf(raw: np.ndarray[Any, Any], code: int, kind: int, shape: tuple[int,
     """The leaf ``(code, kind, shape)`` as a view of ``raw`` (uint8, exactly its bytes).
 
     Writer and reader both build leaves here. numpy views are the cheapest to make, so
-    tensors are numpy views wrapped by ``torch.from_numpy``; bfloat16, which numpy lacks,
-    is viewed through torch. Raises ValueError for a numpy leaf of such a dtype.
+    tensors are numpy views wrapped by ``torch.from_numpy``; dtypes numpy lacks (bfloat16,
+    float8, complex32, ...) and tensors of more than 32 dimensions are viewed through torch.
+    Raises ValueError for a numpy leaf of such a dtype, or a code this torch has no dtype for.
     """
     np_dtype = NP_DTYPES[code]
-    if np_dtype is None:
+    if np_dtype is None or (len(shape) > _NUMPY_MAX_NDIM and kind == Kind.TENSOR):
+        dtype = DTYPES[code]
+        if dtype is None:
+            raise ValueError(f"dtype code {code} names a dtype this torch ({torch.__version__}) does not have")
         if kind != Kind.TENSOR:
-            raise ValueError(f"numpy leaf with dtype {DTYPES[code]}, which numpy lacks")
+            raise ValueError(f"numpy leaf with dtype {dtype}, which numpy lacks")
         if raw.size == 0:  # torch cannot reinterpret an empty byte view; nothing to share
-            return torch.empty(shape, dtype=DTYPES[code])
-        return torch.from_numpy(raw).view(DTYPES[code]).view(shape)
+            return torch.empty(shape, dtype=dtype)
+        return torch.from_numpy(raw).view(dtype).view(shape)
     arr = raw.view(np_dtype).reshape(shape)
     return torch.from_numpy(arr) if kind == Kind.TENSOR else arr
 

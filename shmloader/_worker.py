@@ -323,7 +323,12 @@ def _deliver(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWrite
         _publish(ring, slot, cfg, writer, outcome, epoch, seq, doorbell)
         return True
     measure = SlotWriter(None)  # exactly what a fresh writer will need (leaf order included)
-    needed = measure.finish(batch, dataset_state)
+    try:
+        needed = measure.finish(batch, dataset_state)
+    except Exception:  # it was measured once already; whatever fails now is this batch's error
+        error = Outcome(Status.ERROR, error=_wrap(where=f"in DataLoader worker process {cfg.worker_id}"))
+        _publish(ring, slot, cfg, writer, error, epoch, seq, doorbell)
+        return True
     _publish(ring, slot, cfg, writer, Outcome(Status.NEED_MEMORY, needed=needed), epoch, seq, doorbell)
     reply = mailbox.expect("memory", slot)
     if reply is None:
@@ -402,8 +407,12 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
         epoch, seq, outcome, batch, dataset_state = pending
         writer.begin(ring.geometry.data_offset(pending_slot), ring.geometry.data_bytes)
         if outcome.status is Status.PROBED:
-            needed = writer.finish(batch, dataset_state)
-            outcome = Outcome(Status.OK if writer.fits else Status.NEED_MEMORY, needed=needed)
+            try:
+                needed = writer.finish(batch, dataset_state)
+                outcome = Outcome(Status.OK if writer.fits else Status.NEED_MEMORY, needed=needed)
+            except Exception:  # the first batch could be measured but not written: its error
+                outcome = Outcome(Status.ERROR, error=_wrap(where=f"in DataLoader worker process {cfg.worker_id}"))
+                batch = None
         if not _deliver(ring, pending_slot, cfg, writer, outcome, batch, dataset_state, epoch, seq, mailbox, doorbell):
             return
     # The probe's private copy of the first batch (the writer keeps its leaves too): not for

@@ -1,0 +1,88 @@
+"""Every dtype torch's own DataLoader delivers, and tensors of many dimensions, through torch's
+loader and shmloader's on the same job: equal batches (type, dtype, shape, bytes) or the same
+exception type. The dtypes are enumerated from torch, not listed."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+import shmloader
+
+ALL_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+
+
+def sample_of(dtype: torch.dtype) -> Callable[[int], torch.Tensor]:
+    """Sample i: 6 elements of ``dtype`` whose bytes depend on i (quantized: from floats)."""
+    if dtype in (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4):
+        return lambda i: torch.quantize_per_tensor(torch.arange(6.0) + i, 0.5, 1, dtype)
+    if dtype is torch.bool:  # a bool byte is 0 or 1
+        return lambda i: torch.arange(6) % (i + 2) == 0
+    raw = 6 * dtype.itemsize
+    return lambda i: (torch.arange(raw, dtype=torch.int32) * 7 + i).to(torch.uint8).view(dtype)
+
+
+class Samples(Dataset):  # type: ignore[type-arg]
+    def __init__(self, make: Callable[[int], Any]) -> None:
+        self.make = make
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> Any:
+        return self.make(i)
+
+
+def outcome(loader: Any) -> Any:
+    """The batches as (dtype, shape, bytes), or the exception's type."""
+    try:
+        out = []
+        for batch in loader:
+            if batch.is_quantized:
+                out.append((batch.dtype, tuple(batch.shape), batch.int_repr().tolist(), batch.q_scale()))
+            else:
+                out.append((batch.dtype, tuple(batch.shape), bytes(batch.contiguous().view(-1).view(torch.uint8).numpy())))
+        return out
+    except Exception as exc:
+        return type(exc)
+
+
+def both(make: Callable[[int], Any]) -> tuple[Any, Any]:
+    """torch's outcome with workers, and ours. Where torch's workers fail, the reference is
+    torch's ``default_collate`` in the main process (``num_workers=0``): its workers' failure
+    can be an artifact of their shared-memory path (``elem.new(storage)`` refuses quantized
+    tensors with a RuntimeError, bits16 with a TypeError), which shmloader does not have.
+    Then shmloader must deliver what default_collate delivers, bit for bit, or raise what it
+    raises."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantized tensors' deprecation
+        theirs = outcome(torch.utils.data.DataLoader(Samples(make), batch_size=2, num_workers=2))
+        if not isinstance(theirs, list):
+            theirs = outcome(torch.utils.data.DataLoader(Samples(make), batch_size=2))
+        ours = outcome(shmloader.DataLoader(Samples(make), batch_size=2, num_workers=2))
+    return theirs, ours
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_every_dtype_as_torch_delivers_it(dtype: torch.dtype) -> None:
+    try:
+        make = sample_of(dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            make(0)
+    except Exception as exc:
+        pytest.skip(f"torch cannot make a {dtype} tensor here ({type(exc).__name__})")
+    theirs, ours = both(make)
+    assert ours == theirs
+    if isinstance(theirs, list):
+        assert len(theirs) == 2 and theirs[0][0] == dtype
+
+
+@pytest.mark.parametrize("ndim", [31, 32, 33, 40, 63])
+def test_tensors_of_many_dimensions(ndim: int) -> None:
+    theirs, ours = both(lambda i: torch.full((1,) * (ndim - 1) + (2,), float(i)))
+    assert ours == theirs and isinstance(theirs, list) and len(theirs[0][1]) == ndim + 1
