@@ -86,3 +86,16 @@ def test_every_dtype_as_torch_delivers_it(dtype: torch.dtype) -> None:
 def test_tensors_of_many_dimensions(ndim: int) -> None:
     theirs, ours = both(lambda i: torch.full((1,) * (ndim - 1) + (2,), float(i)))
     assert ours == theirs and isinstance(theirs, list) and len(theirs[0][1]) == ndim + 1
+
+
+def test_mixed_dtypes_are_promoted_not_truncated() -> None:
+    # int32 first, then an int64 that int32 cannot hold: torch.stack (and default_collate in the
+    # main process) promotes to int64; shmloader keeps that, whatever torch's workers do.
+    def make(i: int) -> torch.Tensor:
+        return torch.tensor([i], dtype=torch.int32) if i % 2 == 0 else torch.tensor([2**40 + i])
+
+    want = outcome(torch.utils.data.DataLoader(Samples(make), batch_size=2))
+    ours = outcome(shmloader.DataLoader(Samples(make), batch_size=2, num_workers=2))
+    assert ours == want and want[0][0] == torch.int64
+    assert torch.equal(next(iter(shmloader.DataLoader(Samples(make), batch_size=2, num_workers=2))),
+                       torch.tensor([[0], [2**40 + 1]]))
