@@ -277,7 +277,13 @@ class RingIterator(_BaseDataLoaderIter):
             wid, seq, index = task
             self._pool.send(wid, ("probe", self._table.epoch, seq, index))
             yield from self._wait_conns([wid])
-            _, status, needed, error = self._pool.conns[wid].recv()
+            try:
+                _, status, needed, error = self._pool.conns[wid].recv()
+            except (EOFError, OSError):  # it died before it answered: say how
+                self._pool.procs[wid].join(timeout=5)
+                self._shutdown_workers()
+                raise WorkerDiedError(f"{self._pool.death(wid)} before it answered for the first batch (index "
+                                      f"{index!r:.200}), before the ring was set up") from None
             if status == Status.STOP:
                 self._dispatcher.active[wid] = False
                 self._rcvd_seq = seq + 1  # only exhausted shards came before
@@ -342,10 +348,9 @@ class RingIterator(_BaseDataLoaderIter):
         elif used >= self._max_restarts:
             reason = f"{used} of max_worker_restarts={self._max_restarts} restarts are used up"
         if reason is not None:
-            raise WorkerDiedError(
-                f"{self._pool.death(wid)}{doing}; {reason}. If it ran out of memory, lower batch_size, "
-                "num_workers or prefetch_factor; to tolerate more deaths raise max_worker_restarts."
-            )
+            hint = (" If it ran out of memory, lower batch_size, num_workers or prefetch_factor; to tolerate "
+                    "more deaths raise max_worker_restarts." if self._pool.killed(wid) else "")
+            raise WorkerDiedError(f"{self._pool.death(wid)}{doing}; {reason}.{hint}")
         assert self._ring is not None
         self._counters.worker_restarts += 1
         orphans = table.orphans(wid)

@@ -50,11 +50,21 @@ class WorkerPool:
         return [wid for wid, proc in enumerate(self.procs) if proc.exitcode is not None]
 
     def death(self, wid: int) -> str:
-        """'DataLoader worker 1 (pid 123) was killed by signal SIGKILL' (or exited with code N)."""
+        """'DataLoader worker 1 (pid 123) was killed by signal SIGKILL' (or exited with code N,
+        which a worker does only through the user's sys.exit / os._exit / SystemExit)."""
         proc = self.procs[wid]
         code = proc.exitcode
-        how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        if code is not None and code < 0:
+            how = f"was killed by signal {signal.Signals(-code).name}"
+        else:
+            how = (f"exited with code {code} on its own (sys.exit, os._exit or SystemExit in the dataset or "
+                   "worker_init_fn: raise an exception instead)")
         return f"DataLoader worker {wid} (pid {proc.pid}) {how}"
+
+    def killed(self, wid: int) -> bool:
+        """Whether worker ``wid`` died of a signal (the OOM killer's SIGKILL, a crash)."""
+        code = self.procs[wid].exitcode
+        return code is not None and code < 0
 
     def check_alive(self) -> None:
         """Raise WorkerDiedError naming the first worker that exited."""

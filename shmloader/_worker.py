@@ -175,11 +175,23 @@ def _init(cfg: WorkerConfig) -> ExceptionWrapper | None:
     torch_worker._worker_info = torch_worker.WorkerInfo(
         id=cfg.worker_id, num_workers=cfg.num_workers, seed=seed, dataset=cfg.dataset
     )
+    where = f"in DataLoader worker process {cfg.worker_id}"
     try:
         if cfg.worker_init_fn is not None:
             cfg.worker_init_fn(cfg.worker_id)
     except Exception:
-        return _wrap(where=f"in DataLoader worker process {cfg.worker_id}")
+        return _wrap(where=where)
+    except (SystemExit, KeyboardInterrupt) as exc:
+        # Said as what it was, in a RuntimeError: re-raised as itself it would end the main
+        # process (SystemExit) or pose as Ctrl-C.
+        try:
+            code = f"({exc.code!r})" if isinstance(exc, SystemExit) else ""
+            raise RuntimeError(
+                f"worker_init_fn raised {type(exc).__name__}{code} (sys.exit?) in worker {cfg.worker_id}: a "
+                "DataLoader worker cannot exit on its own; raise an exception to report a failed set-up"
+            ) from exc
+        except RuntimeError:
+            return _wrap(where=where)
     return None
 
 

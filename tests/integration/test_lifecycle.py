@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
+from typing import Any
 import signal
 
 import pytest
@@ -237,3 +239,41 @@ def test_parent_watch() -> None:
     watch = ParentWatch(child.pid)  # type: ignore[arg-type]
     child.join()
     assert not watch.alive()
+
+
+def exit_zero(worker_id: int) -> None:
+    sys.exit(0)
+
+
+def interrupt(worker_id: int) -> None:
+    raise KeyboardInterrupt
+
+
+def hard_exit(worker_id: int) -> None:
+    os._exit(3)
+
+
+class ExitsAt5(Range):
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 5:
+            sys.exit(7)
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("init, error, message", [
+    (exit_zero, RuntimeError, r"worker_init_fn raised SystemExit\(0\) \(sys.exit\?\) in worker \d: a DataLoader worker "
+                              r"cannot exit on its own"),
+    (interrupt, RuntimeError, r"worker_init_fn raised KeyboardInterrupt"),
+    (hard_exit, shmloader.WorkerDiedError, r"exited with code 3 on its own \(sys.exit, os._exit or SystemExit"),
+])
+def test_a_worker_init_fn_that_exits_is_said_as_such(init: Any, error: type[BaseException], message: str) -> None:
+    loader = shmloader.DataLoader(Range(16), batch_size=2, num_workers=2, worker_init_fn=init, max_worker_restarts=0)
+    with pytest.raises(error, match=message):
+        list(loader)
+
+
+def test_a_dataset_that_exits_is_said_as_such_without_the_memory_hint() -> None:
+    loader = shmloader.DataLoader(ExitsAt5(16), batch_size=2, num_workers=2, max_worker_restarts=0)
+    with pytest.raises(shmloader.WorkerDiedError, match=r"exited with code 7 on its own .* while producing batch 2") as e:
+        list(loader)
+    assert "ran out of memory" not in str(e.value)
