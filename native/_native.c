@@ -92,17 +92,20 @@ PyDoc_STRVAR(encode_table_doc,
 "Returns the number of bytes written (table_bytes of the shapes); raises\n"
 "ValueError if it does not fit or an entry is malformed (an offset not aligned\n"
 "to LEAF_ALIGN included: decode_table would refuse it), TypeError if an entry\n"
-"is not a tuple.");
+"or a shape is not a tuple. It reads a tuple copy of `leaves`, so no Python code\n"
+"that runs meanwhile can change what it reads.");
 
 static PyObject *encode_table(PyObject *self, PyObject *args) {
     Py_buffer view;
     Py_ssize_t offset, limit;
     PyObject *leaves;
     if (!PyArg_ParseTuple(args, "w*nnO", &view, &offset, &limit, &leaves)) return NULL;
-    PyObject *seq = PySequence_Fast(leaves, "leaves must be a sequence");
+    /* A tuple of its own (strong references): nothing the leaves hold can change what is
+       read below, whatever Python code runs meanwhile (an int subclass's __index__). */
+    PyObject *seq = PySequence_Tuple(leaves);
     if (seq == NULL) { PyBuffer_Release(&view); return NULL; }
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t count = PyTuple_GET_SIZE(seq);
+    PyObject **items = &PyTuple_GET_ITEM(seq, 0);
     if (offset < 0 || limit < 0 || offset > view.len || limit > view.len - offset) {
         PyErr_Format(PyExc_ValueError, "table area [%zd, +%zd) outside buffer of %zd bytes",
                      offset, limit, view.len);
@@ -127,22 +130,25 @@ static PyObject *encode_table(PyObject *self, PyObject *args) {
                          "multiples of %d)", i, code, kind, loff, LEAF_ALIGN);
             goto fail;
         }
-        PyObject *sseq = PySequence_Fast(shape, "shape must be a sequence");
-        if (sseq == NULL) goto fail;
-        Py_ssize_t ndim = PySequence_Fast_GET_SIZE(sseq);
+        if (!PyTuple_Check(shape)) {  /* a tuple: no user __iter__ runs while we read it */
+            PyErr_Format(PyExc_TypeError, "leaf %zd: shape must be a tuple, not %s", i, Py_TYPE(shape)->tp_name);
+            goto fail;
+        }
+        Py_INCREF(shape);
+        Py_ssize_t ndim = PyTuple_GET_SIZE(shape);
         if (ndim > MAX_NDIM) {
-            Py_DECREF(sseq);
+            Py_DECREF(shape);
             PyErr_Format(PyExc_ValueError, "leaf %zd has %zd dimensions (at most %d)", i, ndim, MAX_NDIM);
             goto fail;
         }
         Py_ssize_t need = ENTRY_FIXED + 8 * ndim;
-        if (need > limit - pos) { Py_DECREF(sseq); goto too_small; }
+        if (need > limit - pos) { Py_DECREF(shape); goto too_small; }
         int64_t dims[MAX_NDIM];
         for (Py_ssize_t d = 0; d < ndim; d++) {
-            dims[d] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(sseq, d));
-            if (dims[d] == -1 && PyErr_Occurred()) { Py_DECREF(sseq); goto fail; }
+            dims[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, d));
+            if (dims[d] == -1 && PyErr_Occurred()) { Py_DECREF(shape); goto fail; }
         }
-        Py_DECREF(sseq);
+        Py_DECREF(shape);
         int64_t nbytes = leaf_nbytes(code, dims, (int)ndim);
         if (nbytes < 0) {
             PyErr_Format(PyExc_ValueError, "leaf %zd has a negative or overflowing shape", i);

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import struct
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -128,3 +130,23 @@ def test_decode_never_crashes_on_random_bytes(data: bytes, limit: int) -> None:
     for code, kind, off, nbytes, shape in leaves:
         assert off % LEAF_ALIGN == 0 and off + nbytes <= limit
         assert kind in (0, 1) and 0 <= code < len(DTYPES)
+
+
+def test_encode_reads_its_own_copy_whatever_python_code_runs_meanwhile() -> None:
+    # A dimension whose __index__ empties (and frees) the caller's list mid-encode: the codec
+    # holds a tuple copy, so this is a normal table, never a use-after-free.
+    leaves: list[tuple[int, int, int, tuple[Any, ...]]] = []
+
+    class Mutating:
+        def __index__(self) -> int:
+            leaves.clear()
+            gc.collect()
+            return 3
+
+    leaves += [(1, 0, 0, (Mutating(), 2)), (1, 0, 64, (4,))]
+    buf = bytearray(4096)
+    n = _native.encode_table(buf, 0, 4096, leaves)
+    assert n == table_bytes([(3, 2), (4,)])
+    assert [t[4] for t in _native.decode_table(bytes(buf[:n]), 0, n, 1 << 20)] == [(3, 2), (4,)]
+    with pytest.raises(TypeError, match="shape must be a tuple"):
+        _native.encode_table(bytearray(256), 0, 256, [(1, 0, 0, [1])])
