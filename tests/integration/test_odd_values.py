@@ -99,3 +99,58 @@ def test_mixed_dtypes_are_promoted_not_truncated() -> None:
     assert ours == want and want[0][0] == torch.int64
     assert torch.equal(next(iter(shmloader.DataLoader(Samples(make), batch_size=2, num_workers=2))),
                        torch.tensor([[0], [2**40 + 1]]))
+
+
+Point = __import__("collections").namedtuple("Point", "x y")
+ODD_VALUES: dict[str, Callable[[int], Any]] = {
+    "0-d tensor": lambda i: torch.tensor(float(i)),
+    "empty tensor": lambda i: torch.empty(0, 3),
+    "empty with a huge dimension": lambda i: torch.empty(0, 2**40),
+    "non-contiguous tensor": lambda i: torch.arange(12.0).reshape(3, 4).t() + i,
+    "negative-stride numpy view": lambda i: __import__("numpy").arange(6)[::-1] + i,
+    "numpy big-endian": lambda i: __import__("numpy").arange(4, dtype=">i4") + i,
+    "numpy 0-d": lambda i: __import__("numpy").float32(i),
+    "nested containers": lambda i: {"a": [torch.tensor([i]), (i, "s")], "b": {"c": torch.ones(2) * i}},
+    "namedtuple": lambda i: Point(torch.tensor([i]), i),
+    "OrderedDict": lambda i: __import__("collections").OrderedDict([("z", i), ("a", torch.tensor([i]))]),
+    "non-string dict keys": lambda i: {1: torch.tensor([i]), (2, 3): i},
+    "huge Python int": lambda i: 2**70 + i,
+    "NaN and inf": lambda i: torch.tensor([float("nan"), float("inf"), -float("inf"), i]),
+    "strings and bytes": lambda i: (f"s{i}", bytes([i])),
+    "None": lambda i: None,
+}
+
+
+def canonical(batch: Any) -> Any:
+    """A comparable form: tensors and arrays as (type, dtype, shape, bytes), containers kept."""
+    import numpy as np
+
+    if isinstance(batch, torch.Tensor):
+        return ("tensor", batch.dtype, tuple(batch.shape), bytes(batch.contiguous().view(-1).view(torch.uint8).numpy()))
+    if isinstance(batch, np.ndarray):
+        return ("ndarray", batch.dtype.str, batch.shape, batch.tobytes())
+    if isinstance(batch, dict):
+        return (type(batch).__name__, [(k, canonical(v)) for k, v in batch.items()])
+    if isinstance(batch, (list, tuple)):
+        return (type(batch).__name__, [canonical(v) for v in batch])
+    return (type(batch).__name__, repr(batch))
+
+
+def outcomes_of(make: Callable[[int], Any], loader: Any, **kw: Any) -> Any:
+    try:
+        return [canonical(b) for b in loader(Samples(make), **kw)]
+    except Exception as exc:
+        return type(exc)
+
+
+@pytest.mark.parametrize("collate", [None, "identity"])
+@pytest.mark.parametrize("name", list(ODD_VALUES))
+def test_odd_values_as_torch_delivers_them(name: str, collate: Any) -> None:
+    kw: dict[str, Any] = {"batch_size": 2}
+    if collate == "identity":
+        kw["collate_fn"] = list  # a custom collate: its result is copied into the slot once
+    make = ODD_VALUES[name]
+    theirs = outcomes_of(make, torch.utils.data.DataLoader, num_workers=2, **kw)
+    if not isinstance(theirs, list):  # its workers' shared-memory path: default_collate in process
+        theirs = outcomes_of(make, torch.utils.data.DataLoader, **kw)
+    assert outcomes_of(make, shmloader.DataLoader, num_workers=2, **kw) == theirs
