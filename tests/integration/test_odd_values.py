@@ -38,10 +38,13 @@ class Samples(Dataset):  # type: ignore[type-arg]
 
 
 def outcome(loader: Any) -> Any:
-    """The batches as (dtype, shape, bytes), or the exception's type."""
+    """The batches as (dtype, shape, bytes), or the exception's type. The iterator's workers
+    are stopped before it returns (torch's, left to the garbage collector after an error,
+    can take its whole 5-second join timeout per worker)."""
+    it = iter(loader)
     try:
         out = []
-        for batch in loader:
+        for batch in it:
             if batch.is_quantized:
                 out.append((batch.dtype, tuple(batch.shape), batch.int_repr().tolist(), batch.q_scale()))
             else:
@@ -49,6 +52,8 @@ def outcome(loader: Any) -> Any:
         return out
     except Exception as exc:
         return type(exc)
+    finally:
+        getattr(it, "_shutdown_workers", lambda: None)()
 
 
 def both(make: Callable[[int], Any]) -> tuple[Any, Any]:
@@ -137,10 +142,13 @@ def canonical(batch: Any) -> Any:
 
 
 def outcomes_of(make: Callable[[int], Any], loader: Any, **kw: Any) -> Any:
+    it = iter(loader(Samples(make), **kw))
     try:
-        return [canonical(b) for b in loader(Samples(make), **kw)]
+        return [canonical(b) for b in it]
     except Exception as exc:
         return type(exc)
+    finally:
+        getattr(it, "_shutdown_workers", lambda: None)()  # (as in outcome)
 
 
 @pytest.mark.parametrize("collate", [None, "identity"])
