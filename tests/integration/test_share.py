@@ -110,6 +110,12 @@ def test_it_cannot_be_changed() -> None:
         os.pwrite(shared_list._store.fd, b"x", 0)
 
 
+def test_dict_keys_are_matched_by_their_pickle() -> None:
+    shared = shmloader.share({1: "int", (2, "b"): "tuple"})
+    assert shared[1] == "int" and shared[(2, "b")] == "tuple"
+    assert 1.0 not in shared and True not in shared  # equal to 1 in a dict, another key here (README)
+
+
 def test_a_generator_is_stored_as_it_comes() -> None:
     shared = shmloader.share({"path": f"/data/{i}.jpg", "label": i} for i in range(500))
     assert len(shared) == 500 and shared[499] == {"path": "/data/499.jpg", "label": 499}
