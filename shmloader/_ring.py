@@ -35,14 +35,17 @@ class _Views:
         self.geometry = geometry
         self.mm = mm
         self.bytes = np.frombuffer(mm, dtype=np.uint8)
+        # Offsets the per-batch calls use, computed once (the geometry's are properties).
         self.data_offsets = [geometry.data_offset(s) for s in range(geometry.num_slots)]
+        self.header_offsets = [geometry.slot_offset(s) for s in range(geometry.num_slots)]
+        self.state_offsets = [geometry.state_offset(s) for s in range(geometry.num_slots)]
+        self.queue_offsets = [geometry.queue_offset(w) for w in range(geometry.num_workers)]
+        self.task_sems = [geometry.task_sem(w) for w in range(geometry.num_workers)]
         self.headers = [
-            np.ndarray((N_FIELDS,), np.int64, buffer=mm, offset=geometry.slot_offset(s))
-            for s in range(geometry.num_slots)
+            np.ndarray((N_FIELDS,), np.int64, buffer=mm, offset=off) for off in self.header_offsets
         ]
         self.queues = [
-            np.ndarray((geometry.queue_len,), np.int64, buffer=mm, offset=geometry.queue_offset(w))
-            for w in range(geometry.num_workers)
+            np.ndarray((geometry.queue_len,), np.int64, buffer=mm, offset=off) for off in self.queue_offsets
         ]
         self.counters = [
             np.ndarray((N_COUNTERS,), np.int64, buffer=mm, offset=geometry.counters_offset(w))
@@ -55,11 +58,11 @@ class _Views:
 
     def is_done(self, slot: int) -> bool:
         """Whether ``slot`` is published (an acquire load: its contents are visible after it)."""
-        return _native.load_acquire(self.mm, self.geometry.state_offset(slot)) == DONE
+        return _native.load_acquire(self.mm, self.state_offsets[slot]) == DONE
 
     def set_state(self, slot: int, state: int) -> None:
         """Store ``slot``'s STATE with release ordering, after everything written before it."""
-        _native.store_release(self.mm, self.geometry.state_offset(slot), state)
+        _native.store_release(self.mm, self.state_offsets[slot], state)
 
     def want_doorbell(self, on: bool) -> None:
         """Ask workers to write the eventfd doorbell when they publish (an ``async for`` is about
@@ -84,7 +87,6 @@ class Ring(_Views):
         super().__init__(geometry, mm)
         self.mm: _shm.Mapping = mm  # the main process's mapping: pinnable, unpinned before unmapping
         self._tails = [0] * geometry.num_workers
-        self._headers_at = [geometry.slot_offset(s) for s in range(geometry.num_slots)]
 
     @property
     def spec(self) -> RingSpec:
@@ -101,17 +103,16 @@ class Ring(_Views):
         q = self.queues[worker]
         q[self._tails[worker] % self.geometry.queue_len] = slot
         self._tails[worker] += 1
-        _native.sem_post(self.mm, self.geometry.task_sem(worker))
+        _native.sem_post(self.mm, self.task_sems[worker])
 
     def post_task(self, worker: int, slot: int, epoch: int, seq: int, payload: bytes) -> None:
         """Write a task (its header fields and the pickled index ``payload``, which fits the
         slot) into ``slot``, queue it for ``worker`` and wake it: one native call."""
-        g = self.geometry
         tail = self._tails[worker]
         self._tails[worker] = tail + 1
-        _native.post_task(self.mm, self._headers_at[slot], (IDLE, epoch, seq, len(payload)), payload,
-                          self.data_offsets[slot], g.queue_offset(worker) + (tail % g.queue_len) * 8, slot,
-                          g.task_sem(worker))
+        entry = self.queue_offsets[worker] + (tail % self.geometry.queue_len) * 8
+        _native.post_task(self.mm, self.header_offsets[slot], (IDLE, epoch, seq, len(payload)), payload,
+                          self.data_offsets[slot], entry, slot, self.task_sems[worker])
 
     def renew_queue(self, worker: int) -> None:
         """An empty queue and a fresh task semaphore for ``worker``: its process died, maybe
@@ -159,12 +160,12 @@ class AttachedRing(_Views):
         order), set it DONE with release ordering and post the ready semaphore: one native
         call. Returns whether an ``async for`` consumer waits for the doorbell."""
         g = self.geometry
-        return bool(_native.publish(self.mm, g.slot_offset(slot), Field.STATUS, results, g.state_offset(slot), DONE,
-                                    g.ready_sem, g.doorbell_flag))
+        return bool(_native.publish(self.mm, self.header_offsets[slot], Field.STATUS, results, self.state_offsets[slot],
+                                    DONE, g.ready_sem, g.doorbell_flag))
 
     def next_task(self, timeout: float) -> int | None:
         """The next slot queued for this worker (or STOP_TASK, RESIZE_TASK), None on timeout."""
-        if not _native.sem_wait(self.mm, self.geometry.task_sem(self.worker_id), timeout):
+        if not _native.sem_wait(self.mm, self.task_sems[self.worker_id], timeout):
             return None
         slot = int(self.queue[self._head % self.geometry.queue_len])
         self._head += 1
