@@ -283,7 +283,52 @@ static PyObject *py_store_fenced(PyObject *self, PyObject *const *args, Py_ssize
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(collect_doc,
+"collect($module, buffer, sem_offset, state_offsets, done, /)\n--\n\n"
+"Take every token the semaphore at buffer[sem_offset] holds now (never waiting), then read\n"
+"each state at buffer[state_offsets[i]] with acquire ordering. Returns (tokens taken, bytes\n"
+"whose byte i is 1 where that state equals done, else 0): the consumer's per-batch look at\n"
+"the ring in one call.");
+
+static PyObject *py_collect(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t sem_off;
+    long long done;
+    Py_buffer view;
+    if (!nargs_is("collect", nargs, 4) || !as_ssize(args[1], &sem_off)) return NULL;
+    PyObject *offsets = args[2];
+    if (!PyTuple_Check(offsets)) {
+        PyErr_SetString(PyExc_TypeError, "collect() takes a tuple of state offsets");
+        return NULL;
+    }
+    done = PyLong_AsLongLong(args[3]);
+    if (done == -1 && PyErr_Occurred()) return NULL;
+    char *sem = at(args[0], &view, sem_off, SEM_STRIDE, 8);
+    if (sem == NULL) return NULL;
+    long tokens = 0;
+    while (sem_trywait((sem_t *)sem) == 0) tokens++;
+    Py_ssize_t n = PyTuple_GET_SIZE(offsets);
+    PyObject *found = PyBytes_FromStringAndSize(NULL, n);
+    if (found == NULL) goto fail;
+    char *flags = PyBytes_AS_STRING(found);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t off = PyLong_AsSsize_t(PyTuple_GET_ITEM(offsets, i));
+        if (off == -1 && PyErr_Occurred()) goto fail;
+        if (off < 0 || off > view.len - 8 || off % 8 != 0) {
+            PyErr_Format(PyExc_ValueError, "state offset %zd does not fit a %zd-byte buffer", off, view.len);
+            goto fail;
+        }
+        flags[i] = __atomic_load_n((int64_t *)((char *)view.buf + off), __ATOMIC_ACQUIRE) == done;
+    }
+    PyBuffer_Release(&view);
+    return Py_BuildValue("(lN)", tokens, found);
+fail:
+    Py_XDECREF(found);
+    PyBuffer_Release(&view);
+    return NULL;
+}
+
 PyMethodDef shmloader_sync_methods[] = {
+    {"collect", (PyCFunction)(void (*)(void))py_collect, METH_FASTCALL, collect_doc},
     {"post_task", py_post_task, METH_VARARGS, post_task_doc},
     {"publish", py_publish, METH_VARARGS, publish_doc},
     {"store_fenced", (PyCFunction)(void (*)(void))py_store_fenced, METH_FASTCALL, store_fenced_doc},

@@ -42,7 +42,9 @@ def plan_ring(
 ) -> RingGeometry:
     """The ring for these settings.
 
-    Without a budget: ``num_workers * prefetch_factor`` slots of ``slot_bytes`` (rounded up
+    Without a budget: ``num_workers * prefetch_factor`` slots for the batches prefetched
+    (torch's meaning) and one for the batch in the caller's hands, so that holding it never
+    stalls the prefetch; each of ``slot_bytes`` (rounded up
     to a page) or of exactly ``batch_bytes`` (the largest batch measured so far). With a
     budget the whole segment stays within it, and where possible leaves room beside it for
     one batch of that size to take the overflow path: fewer slots first (down to one per
@@ -50,7 +52,7 @@ def plan_ring(
     """
     assert slot_bytes is not None or batch_bytes is not None
     size = round_up(slot_bytes, PAGE) if slot_bytes is not None else slot_data_bytes(batch_bytes or 0)
-    wanted = num_workers * prefetch_factor
+    wanted = num_workers * prefetch_factor + 1
     if memory_budget is None:
         return RingGeometry(num_workers, wanted, size)
     for room in (size, 0):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import io
+import operator
 import pickle
 from typing import Any, Callable
 
@@ -175,17 +176,20 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+_STRIDED = torch.strided
+_dtype_of = operator.attrgetter("dtype")
+
+
 def _stack_into_slot(
     writer: SlotWriter, batch: list[torch.Tensor], *, collate_fn_map: dict[Any, Callable[..., Any]] | None = None
 ) -> torch.Tensor:
     """``collate_tensor_fn`` that stacks into slot memory instead of a new segment."""
     elem = batch[0]
-    if elem.is_nested or elem.layout is not torch.strided or elem.device.type != "cpu":
+    if elem.is_nested or elem.layout is not _STRIDED or not elem.is_cpu:
         result: torch.Tensor = torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
         return result
-    dtype = elem.dtype
-    if len({t.dtype for t in batch}) > 1:
-        dtype = functools.reduce(torch.promote_types, (t.dtype for t in batch))
+    dtypes = set(map(_dtype_of, batch))
+    dtype = elem.dtype if len(dtypes) == 1 else functools.reduce(torch.promote_types, map(_dtype_of, batch))
     if dtype not in CODE_OF_DTYPE:
         return torch.stack(batch, 0)
     out = writer.tensor(dtype, (len(batch), *elem.shape))

@@ -54,6 +54,10 @@ from ._slots import SlotState, SlotTable
 from ._stats import Counters, RingOccupancy
 from ._worker import WorkerConfig
 
+_IN_FLIGHT = SlotState.IN_FLIGHT
+_R_SEQ, _R_EPOCH, _STATUS, _NEEDED, _REGION = Field.R_SEQ, Field.R_EPOCH, Field.STATUS, Field.NEEDED, Field.REGION
+_NEED_MEMORY, _PIPE = int(Status.NEED_MEMORY), int(Region.PIPE)
+MAX_YIELDS, MIN_YIELDS = 64, 4  # sched_yield()s a sync next() tries before it sleeps (~1 µs each when idle)
 CHECK_S = 0.25  # how often a blocked sync wait checks worker liveness
 PARENT_CHECK_S = 0.5  # how often an idle worker checks that this process lives
 _END = object()
@@ -89,6 +93,7 @@ class RingIterator(_BaseDataLoaderIter):
         self._started = False
         self._deadline: float | None = None
         self._banked = 0
+        self._yields = MAX_YIELDS  # the current bound of _yield_for_ready
         wanted = self._num_workers * self._prefetch_factor  # memory_budget may lower it
         self._table = SlotTable(wanted, self._num_workers)
         self._dispatcher = Dispatcher(self._num_workers, self._iterable, self._in_order)
@@ -400,7 +405,10 @@ class RingIterator(_BaseDataLoaderIter):
 
     def _dispatch(self) -> None:
         table = self._table
-        while table.free and not self._sampler_done and self._grow_to is None:
+        # torch's bound: num_workers * prefetch_factor tasks dispatched and not yet taken.
+        # The ring's extra slot is for the batch in the user's hands, never one more task.
+        cap = self._num_workers * self._prefetch_factor
+        while table.free and len(table.tasks) < cap and not self._sampler_done and self._grow_to is None:
             task = self._next_task()
             if task is None:
                 return
@@ -426,36 +434,35 @@ class RingIterator(_BaseDataLoaderIter):
         """Take in DONE slots, one per semaphore token: results become ready, requests for
         overflow memory wait for a grant."""
         assert self._ring is not None
-        tokens, self._banked = self._banked, 0
-        while self._ring.take_ready(0):
-            tokens += 1
+        taken, done = self._ring.collect()
+        tokens = self._banked + taken
+        self._banked = 0
         if not tokens:
             return
         headers = self._ring.headers
         table = self._table
-        for slot in list(table.tasks):
-            if table.state[slot] is not SlotState.IN_FLIGHT or not self._ring.is_done(slot):
-                continue  # (an acquire load: what the worker wrote before DONE is visible after it)
+        state = table.state
+        for slot in list(table.tasks):  # in dispatch order: a worker's piped results come in it
+            if state[slot] is not _IN_FLIGHT or not done[slot]:
+                continue
             hdr = headers[slot]
             task = table.tasks[slot]
-            if int(hdr[Field.R_SEQ]) != task.seq or int(hdr[Field.R_EPOCH]) != task.epoch:
+            if hdr[_R_SEQ] != task.seq or hdr[_R_EPOCH] != task.epoch:
                 self._shutdown_workers()
                 raise CorruptSlotError(
-                    f"slot {slot} was published for task {int(hdr[Field.R_SEQ])} of epoch {int(hdr[Field.R_EPOCH])}, "
+                    f"slot {slot} was published for task {hdr[_R_SEQ]} of epoch {hdr[_R_EPOCH]}, "
                     f"but holds task {task.seq} of epoch {task.epoch}: a torn or foreign write"
                 )
-            if int(hdr[Field.STATUS]) == Status.NEED_MEMORY:
-                wid = task.worker
-                needed = int(hdr[Field.NEEDED])
-                if table.overflowed(slot, needed) is None:
-                    self._pool.send_memory(wid, slot, 0, -1)  # a stale epoch's batch: drop it
+            if hdr[_STATUS] == _NEED_MEMORY:
+                if table.overflowed(slot, hdr[_NEEDED]) is None:
+                    self._pool.send_memory(task.worker, slot, 0, -1)  # a stale epoch's batch: drop it
                 else:
-                    self._want_growth(needed)
+                    self._want_growth(hdr[_NEEDED])
             else:
                 payload = None
-                if int(hdr[Field.REGION]) == Region.PIPE:
+                if hdr[_REGION] == _PIPE:
                     try:  # the worker sends it after publishing: read it now, in the pipe's order
-                        payload = self._pool.conns[table.tasks[slot].worker].recv_bytes()
+                        payload = self._pool.conns[task.worker].recv_bytes()
                     except (EOFError, OSError):
                         continue  # it died mid-send: its tasks are dispatched again
                 if table.done(slot) is None:
@@ -571,14 +578,17 @@ class RingIterator(_BaseDataLoaderIter):
 
     def _grow(self) -> Generator[tuple[Any, ...], None, None]:
         """Replace the drained ring by one with larger slots; every worker attaches to it. Under
-        memory_budget only when the new ring fits beside what is still held (the old ring
-        while the user views it); otherwise overflow keeps carrying large batches."""
+        memory_budget only when the new ring, and room for one batch to overflow, fit beside
+        what is still held (the old ring while the user views it); otherwise overflow keeps
+        carrying large batches."""
         old = self._ring
         assert old is not None and self._grow_to is not None
         size, self._grow_to = self._grow_to, None
         g = RingGeometry(self._num_workers, self._table.num_slots, size)
         held = old.geometry.total_bytes if self._leases.holding() else 0
-        if self._memory_budget is not None and g.total_bytes + held + self._arena.in_use > self._memory_budget:
+        # Under memory_budget, only with room left beside it for a batch of that size to
+        # overflow: a grown ring that fills the budget would make the next larger batch an error.
+        if self._memory_budget is not None and g.total_bytes + size + held + self._arena.in_use > self._memory_budget:
             self._growth_declined = True
             return
         ring = Ring(g)
@@ -796,11 +806,30 @@ class RingIterator(_BaseDataLoaderIter):
             self._copied(self._stager.reap(block=True))
         elif request is _READY:
             assert self._ring is not None
+            if self._yield_for_ready():
+                return
             if self._ring.take_ready(CHECK_S):  # a signal's handler (Ctrl-C) raises through it
                 self._banked += 1
         else:
             conns = [self._pool.conns[w] for w in request[1]]
             mp_connection.wait(conns + self._pool.sentinels, CHECK_S)
+
+    def _yield_for_ready(self) -> bool:
+        """Before sleeping on the ready semaphore, give the CPU away (``sched_yield``) and look
+        again, a bounded number of times. A worker that shares this CPU runs at once; one on
+        another CPU need not wake this process from a sleep (on a VM an IPI to a halted vCPU
+        costs a VM exit: tens of µs). The bound is MAX_YIELDS after a success and halves after
+        each failure (down to MIN_YIELDS), so a loop whose batches take long barely yields."""
+        assert self._ring is not None
+        bound = self._yields
+        for _ in range(bound):
+            os.sched_yield()
+            if self._ring.take_ready(0):
+                self._banked += 1
+                self._yields = MAX_YIELDS
+                return True
+        self._yields = max(MIN_YIELDS, bound // 2)
+        return False
 
     # -------------------------------------------------------------- async
     def __aiter__(self) -> RingIterator:

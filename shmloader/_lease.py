@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import collections.abc
+import functools
 import io
 import pickle
 import threading
@@ -23,47 +24,48 @@ import torch
 
 from . import _native
 from ._errors import CorruptSlotError
-from ._layout import LONE_LEAF, Field, Kind, Region, view_leaf
+from ._layout import _NUMPY_MAX_NDIM, LONE_LEAF, NP_DTYPES, Field, Kind, Region, view_leaf
 from ._ring import Ring
 
 
 _TENSOR = int(Kind.TENSOR)
+_U8 = np.dtype(np.uint8)
+_SLOT, _OVERFLOW = int(Region.SLOT), int(Region.OVERFLOW)
+_REGION, _TABLE_OFF, _TABLE_LEN = Field.REGION, Field.TABLE_OFF, Field.TABLE_LEN
+_PICKLED_OFF, _PICKLED_LEN = Field.PICKLED_OFF, Field.PICKLED_LEN
 
 
 class Leases:
     """Slots lent to the user. Callbacks may run in any thread; ``take_returned`` runs in the consumer's."""
 
     def __init__(self, num_slots: int) -> None:
-        self._gen = [0] * num_slots
         self._refs: dict[int, weakref.ref[Any]] = {}
         self._returned: collections.deque[int] = collections.deque()
         self._lock = threading.RLock()
         self.lent: set[int] = set()
+        # One callback per slot, made once: a weak reference's callback gets the reference,
+        # and only the slot's current one returns it (an early release() may have lent it again).
+        self._dropped = [functools.partial(self._give_back, slot) for slot in range(num_slots)]
 
     def lend(self, slot: int, base: np.ndarray[Any, Any]) -> None:
         with self._lock:
-            gen = self._gen[slot]
             self.lent.add(slot)
+            self._refs[slot] = weakref.ref(base, self._dropped[slot])
 
-            def dropped(_: object, slot: int = slot, gen: int = gen) -> None:
-                self._give_back(slot, gen)
-
-            self._refs[slot] = weakref.ref(base, dropped)
-
-    def _give_back(self, slot: int, gen: int) -> None:
+    def _give_back(self, slot: int, ref: weakref.ref[Any] | None) -> None:
         with self._lock:
-            if self._gen[slot] != gen:
+            if self._refs.get(slot) is not ref:
                 return
-            self._gen[slot] = gen + 1
-            self._refs.pop(slot, None)
+            del self._refs[slot]
             self._returned.append(slot)
 
     def release(self, slot: int) -> bool:
         """Return ``slot`` now, whoever still views it. False if it was not lent."""
         with self._lock:
-            if slot not in self.lent or slot not in self._refs:
+            ref = self._refs.get(slot)
+            if slot not in self.lent or ref is None:
                 return False
-            self._give_back(slot, self._gen[slot])
+            self._give_back(slot, ref)
             return True
 
     @property
@@ -95,8 +97,8 @@ class _LeafUnpickler(pickle.Unpickler):
         return self._leaves[pid]
 
 
-def _span(hdr: np.ndarray[Any, Any], off_field: int, len_field: int, cap: int, what: str, slot: int) -> tuple[int, int]:
-    off, length = int(hdr[off_field]), int(hdr[len_field])
+def _span(hdr: memoryview, off_field: int, len_field: int, cap: int, what: str, slot: int) -> tuple[int, int]:
+    off, length = hdr[off_field], hdr[len_field]
     if off < 0 or length < 0 or off > cap or length > cap - off:
         raise CorruptSlotError(
             f"slot {slot}: {what} [{off}, +{length}) lies outside the slot's {cap}-byte data region"
@@ -143,25 +145,38 @@ def read_batch(ring: Ring, slot: int, convert: LeafConverter | None = None,
     that keeps ``base`` alive, or ``convert(view, kind)`` of it when given (a copy, a device
     transfer), which then decides whether the memory is still viewed."""
     hdr = ring.headers[slot]
-    expected = Region.SLOT if where is None else Region.OVERFLOW
-    if int(hdr[Field.REGION]) != expected:
-        raise CorruptSlotError(f"slot {slot}: header says region {int(hdr[Field.REGION])}, expected {expected.name}")
-    mm, data_off, cap = where or in_slot(ring, slot)
-    table_off, table_len = _span(hdr, Field.TABLE_OFF, Field.TABLE_LEN, cap, "leaf table", slot)
-    skeleton = read_pickled(ring, slot, where)
+    if where is None:
+        if hdr[_REGION] != _SLOT:
+            raise CorruptSlotError(f"slot {slot}: header says region {hdr[_REGION]}, expected SLOT")
+        mm, data_off, cap = ring.mm, ring.data_offsets[slot], ring.geometry.data_bytes
+    else:
+        if hdr[_REGION] != _OVERFLOW:
+            raise CorruptSlotError(f"slot {slot}: header says region {hdr[_REGION]}, expected OVERFLOW")
+        mm, data_off, cap = where
+    table_off, table_len = _span(hdr, _TABLE_OFF, _TABLE_LEN, cap, "leaf table", slot)
+    pickled_off, pickled_len = _span(hdr, _PICKLED_OFF, _PICKLED_LEN, cap, "pickled skeleton or error", slot)
+    skeleton = mm[data_off + pickled_off : data_off + pickled_off + pickled_len]
     try:
         table = _native.decode_table(mm, data_off + table_off, table_len, cap)
     except ValueError as exc:
         raise CorruptSlotError(f"slot {slot}: {exc}") from None
-    base = np.frombuffer(mm, dtype=np.uint8, count=cap, offset=data_off)
+    # A fresh array over the data region: every leaf views it (and nothing else), so it
+    # lives exactly as long as the batch's last view (the lease's weak reference is on it).
+    base = np.ndarray((cap,), _U8, mm, data_off)
     leaves: list[Any] = []
     total = 0
     for code, kind, off, nbytes, shape in table:
         total += nbytes
-        try:
-            leaf = view_leaf(base[off : off + nbytes], code, kind, shape)
-        except ValueError as exc:
-            raise CorruptSlotError(f"slot {slot}: {exc}") from None
+        np_dtype = NP_DTYPES[code]
+        if np_dtype is not None and nbytes and len(shape) <= _NUMPY_MAX_NDIM:
+            # view_leaf's common case in one call (decode_table checked the bounds and size)
+            arr = np.ndarray(shape, np_dtype, base, off)
+            leaf = torch.from_numpy(arr) if kind == _TENSOR else arr
+        else:
+            try:
+                leaf = view_leaf(base[off : off + nbytes], code, kind, shape)
+            except ValueError as exc:
+                raise CorruptSlotError(f"slot {slot}: {exc}") from None
         leaves.append(leaf if convert is None else convert(leaf, kind))
     if skeleton == LONE_LEAF and len(leaves) == 1:
         return leaves[0], base, total

@@ -79,7 +79,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
     Every argument of torch's DataLoader is accepted with the same default and
     validation. With ``num_workers=0`` it is torch's loader. With workers, batches are
-    views of a ring of ``num_workers * prefetch_factor`` slots; a slot returns to the
+    views of a ring of ``num_workers * prefetch_factor + 1`` slots (the prefetched batches
+    and the one in the caller's hands); a slot returns to the
     ring when the batch's last tensor is dropped, or at once with :meth:`release`.
 
     Args beyond torch's:

@@ -41,20 +41,30 @@ class _Views:
         self.state_offsets = [geometry.state_offset(s) for s in range(geometry.num_slots)]
         self.queue_offsets = [geometry.queue_offset(w) for w in range(geometry.num_workers)]
         self.task_sems = [geometry.task_sem(w) for w in range(geometry.num_workers)]
-        self.headers = [
-            np.ndarray((N_FIELDS,), np.int64, buffer=mm, offset=off) for off in self.header_offsets
-        ]
-        self.queues = [
-            np.ndarray((geometry.queue_len,), np.int64, buffer=mm, offset=off) for off in self.queue_offsets
-        ]
+        self.ready_sem = geometry.ready_sem
+        self.doorbell_flag = geometry.doorbell_flag
+        self.queue_len = geometry.queue_len
+        self.data_bytes = geometry.data_bytes
+        self.state_offset_tuple = tuple(self.state_offsets)
+        # Headers, queues and counters as int64 memoryviews: an item reads as a plain int (a
+        # numpy scalar costs more, and the consumer reads about ten header fields per batch).
+        whole = memoryview(mm)
+        self.headers = [whole[off : off + N_FIELDS * 8].cast("q") for off in self.header_offsets]
+        self.queues = [whole[off : off + geometry.queue_len * 8].cast("q") for off in self.queue_offsets]
         self.counters = [
-            np.ndarray((N_COUNTERS,), np.int64, buffer=mm, offset=geometry.counters_offset(w))
+            whole[geometry.counters_offset(w) : geometry.counters_offset(w) + N_COUNTERS * 8].cast("q")
             for w in range(geometry.num_workers)
         ]
 
     def take_ready(self, timeout: float) -> bool:
         """One token of the ready semaphore: at once (``timeout`` 0) or within ``timeout`` s."""
-        return _native.sem_wait(self.mm, self.geometry.ready_sem, timeout)
+        return _native.sem_wait(self.mm, self.ready_sem, timeout)
+
+    def collect(self) -> tuple[int, bytes]:
+        """Take every token of the ready semaphore there is (never waiting), and say which slots
+        are DONE (byte ``slot`` is 1; acquire loads: what a worker wrote before DONE is visible
+        after it)."""
+        return _native.collect(self.mm, self.ready_sem, self.state_offset_tuple, DONE)
 
     def is_done(self, slot: int) -> bool:
         """Whether ``slot`` is published (an acquire load: its contents are visible after it)."""
@@ -68,7 +78,7 @@ class _Views:
         """Ask workers to write the eventfd doorbell when they publish (an ``async for`` is about
         to wait), or stop asking. Fenced: set before the consumer's last look at the ready
         semaphore, it is seen by every publisher that posts after that look."""
-        _native.store_fenced(self.mm, self.geometry.doorbell_flag, int(on))
+        _native.store_fenced(self.mm, self.doorbell_flag, int(on))
 
 
 class Ring(_Views):
@@ -101,7 +111,7 @@ class Ring(_Views):
     def push_task(self, worker: int, slot: int) -> None:
         """Queue ``slot`` (or STOP_TASK, RESIZE_TASK) for ``worker`` and wake it."""
         q = self.queues[worker]
-        q[self._tails[worker] % self.geometry.queue_len] = slot
+        q[self._tails[worker] % self.queue_len] = slot
         self._tails[worker] += 1
         _native.sem_post(self.mm, self.task_sems[worker])
 
@@ -110,7 +120,7 @@ class Ring(_Views):
         slot) into ``slot``, queue it for ``worker`` and wake it: one native call."""
         tail = self._tails[worker]
         self._tails[worker] = tail + 1
-        entry = self.queue_offsets[worker] + (tail % self.geometry.queue_len) * 8
+        entry = self.queue_offsets[worker] + (tail % self.queue_len) * 8
         _native.post_task(self.mm, self.header_offsets[slot], (IDLE, epoch, seq, len(payload)), payload,
                           self.data_offsets[slot], entry, slot, self.task_sems[worker])
 
@@ -118,7 +128,9 @@ class Ring(_Views):
         """An empty queue and a fresh task semaphore for ``worker``: its process died, maybe
         inside a wait, and its replacement starts from nothing queued."""
         _native.sem_init(self.mm, self.geometry.task_sem(worker))
-        self.queues[worker][:] = 0
+        q = self.queues[worker]
+        for i in range(len(q)):
+            q[i] = 0
         self._tails[worker] = 0
 
     def close(self) -> None:
@@ -153,20 +165,19 @@ class AttachedRing(_Views):
 
     def post_ready(self) -> None:
         """Tell the consumer a slot is published (a full barrier, after ``set_state``)."""
-        _native.sem_post(self.mm, self.geometry.ready_sem)
+        _native.sem_post(self.mm, self.ready_sem)
 
     def publish(self, slot: int, results: tuple[int, ...]) -> bool:
         """Store a slot's result fields (``results``: the header from STATUS on, in field
         order), set it DONE with release ordering and post the ready semaphore: one native
         call. Returns whether an ``async for`` consumer waits for the doorbell."""
-        g = self.geometry
         return bool(_native.publish(self.mm, self.header_offsets[slot], Field.STATUS, results, self.state_offsets[slot],
-                                    DONE, g.ready_sem, g.doorbell_flag))
+                                    DONE, self.ready_sem, self.doorbell_flag))
 
     def next_task(self, timeout: float) -> int | None:
         """The next slot queued for this worker (or STOP_TASK, RESIZE_TASK), None on timeout."""
         if not _native.sem_wait(self.mm, self.task_sems[self.worker_id], timeout):
             return None
-        slot = int(self.queue[self._head % self.geometry.queue_len])
+        slot = self.queue[self._head % self.queue_len]
         self._head += 1
         return slot

@@ -64,7 +64,7 @@ def _fixes(needed: int, free: int) -> str:
     return (
         f"The ring needs {needed:,} bytes of shared memory but {SHM_DIR} has {free:,} bytes free. "
         "Fixes: give the container more shared memory (Docker: --shm-size=...), "
-        "lower num_workers or prefetch_factor (the ring holds num_workers * prefetch_factor slots), "
+        "lower num_workers or prefetch_factor (the ring holds num_workers * prefetch_factor + 1 slots), "
         "use smaller batches, or set slot_bytes= to a smaller slot size."
     )
 

@@ -28,6 +28,9 @@ class SlotState(enum.IntEnum):
     LENT = 4  # taken by the consumer: the user views it, or a device copy reads it
 
 
+_FREE, _IN_FLIGHT, _READY, _LENT = SlotState.FREE, SlotState.IN_FLIGHT, SlotState.READY, SlotState.LENT
+
+
 class Task(NamedTuple):  # a tuple: made for every batch, so cheap to make
     worker: int
     epoch: int
@@ -71,14 +74,22 @@ class SlotTable:
     def _move(self, slot: int, expected: tuple[SlotState, ...], to: SlotState) -> None:
         now = self.state[slot]
         if now not in expected:
-            raise AssertionError(f"slot {slot} is {now.name}, expected {[e.name for e in expected]}")
+            self._wrong(slot, expected)
         self.state[slot] = to
         self.waiting_count += (to is SlotState.WAITING) - (now is SlotState.WAITING)
+
+    def _wrong(self, slot: int, expected: tuple[SlotState, ...]) -> None:
+        raise AssertionError(f"slot {slot} is {self.state[slot].name}, expected {[e.name for e in expected]}")
+
+    # The per-batch transitions (dispatch, done, take, give_back) check and set the state
+    # inline: none of them involves WAITING, and each runs once per batch.
 
     def dispatch(self, worker: int, seq: int, index: Any) -> int:
         """FREE -> IN_FLIGHT: the slot that now carries task ``seq`` of the current epoch."""
         slot = self.free.pop()
-        self._move(slot, (SlotState.FREE,), SlotState.IN_FLIGHT)
+        if self.state[slot] is not _FREE:
+            self._wrong(slot, (_FREE,))
+        self.state[slot] = _IN_FLIGHT
         self.tasks[slot] = Task(worker, self.epoch, seq, index)
         self.load[worker] += 1
         self.outstanding += 1
@@ -101,11 +112,15 @@ class SlotTable:
 
     def done(self, slot: int) -> Task | None:
         """IN_FLIGHT -> READY; a stale epoch's result goes FREE instead (returns None)."""
-        self._move(slot, (SlotState.IN_FLIGHT,), SlotState.READY)
-        task = self._leave_worker(slot)
+        if self.state[slot] is not _IN_FLIGHT:
+            self._wrong(slot, (_IN_FLIGHT,))
+        self.state[slot] = _READY
+        task = self.tasks[slot]
+        self.load[task.worker] -= 1
         if task.epoch != self.epoch:
             self._release(slot)
             return None
+        self.outstanding -= 1
         self.ready[task.seq] = slot
         return task
 
@@ -136,13 +151,17 @@ class SlotTable:
     def take(self, seq: int) -> int:
         """READY -> LENT: the slot holding result ``seq``."""
         slot = self.ready.pop(seq)
-        self._move(slot, (SlotState.READY,), SlotState.LENT)
+        if self.state[slot] is not _READY:
+            self._wrong(slot, (_READY,))
+        self.state[slot] = _LENT
         del self.tasks[slot]
         return slot
 
     def give_back(self, slot: int) -> None:
         """LENT -> FREE: the user dropped (or released) the batch, or its copy completed."""
-        self._move(slot, (SlotState.LENT,), SlotState.FREE)
+        if self.state[slot] is not _LENT:
+            self._wrong(slot, (_LENT,))
+        self.state[slot] = _FREE
         self.free.append(slot)
 
     def _release(self, slot: int) -> None:

@@ -50,7 +50,7 @@ class RingOccupancy:
     """Where the ring's slots are right now."""
 
     slots: int
-    """Slots in the ring (``num_workers * prefetch_factor`` unless ``memory_budget`` lowered it)."""
+    """Slots in the ring (``num_workers * prefetch_factor + 1`` unless ``memory_budget`` lowered it)."""
     slot_bytes: int
     """Bytes of one slot's data region."""
     free: int

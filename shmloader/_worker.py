@@ -29,7 +29,7 @@ import signal
 import struct
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -66,11 +66,14 @@ class WorkerConfig:
     dataset_state_epoch: int | None = None
 
 
-@dataclasses.dataclass
-class Outcome:
+class Outcome(NamedTuple):  # one per batch: a tuple is the cheapest to make
     status: Status
     needed: int = 0
     error: ExceptionWrapper | None = None
+
+
+_EPOCH, _SEQ, _TASK_LEN = Field.EPOCH, Field.SEQ, Field.TASK_LEN
+_BUSY_NS, _BATCHES = Counter.BUSY_NS, Counter.BATCHES
 
 
 def _wrap(where: str) -> ExceptionWrapper:
@@ -481,10 +484,9 @@ def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: _Producer, mailbox: 
             continue
         if slot < 0:
             return
-        geometry = ring.geometry
         hdr = ring.headers[slot]
-        epoch, seq, task_len = int(hdr[Field.EPOCH]), int(hdr[Field.SEQ]), int(hdr[Field.TASK_LEN])
-        start = geometry.data_offset(slot)
+        epoch, seq, task_len = hdr[_EPOCH], hdr[_SEQ], hdr[_TASK_LEN]
+        start = ring.data_offsets[slot]
         if task_len >= 0:
             index = pickle.loads(ring.mm[start : start + task_len])
         else:  # the pickled index did not fit the slot: it came over the connection
@@ -493,14 +495,15 @@ def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: _Producer, mailbox: 
                 return
             index = pickle.loads(msg[2])
         began = time.monotonic_ns()
-        writer.begin(start, geometry.data_bytes)
+        writer.begin(start, ring.data_bytes)
         batch = None
         if init_error is not None:
             outcome, init_error = Outcome(Status.INIT_ERROR, error=init_error), None
         else:
             outcome, batch = producer.produce(epoch, index, writer, fn_map)
-        ring.counters[cfg.worker_id][Counter.BUSY_NS] += time.monotonic_ns() - began
-        ring.counters[cfg.worker_id][Counter.BATCHES] += 1
+        counters = ring.counters[cfg.worker_id]
+        counters[_BUSY_NS] += time.monotonic_ns() - began
+        counters[_BATCHES] += 1
         if not _deliver(ring, slot, cfg, writer, outcome, batch, producer.dataset_state, epoch, seq, mailbox, doorbell):
             return
         del batch

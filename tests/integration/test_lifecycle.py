@@ -72,8 +72,9 @@ def test_holding_every_batch_never_deadlocks_and_copies() -> None:
     it = iter(loader)
     kept = list(it)
     assert [b.tolist() for b in kept] == [[[2 * i], [2 * i + 1]] for i in range(100)]
-    assert loader.stats().copies >= 100 - 4
-    assert it.holding() <= 3
+    slots = 2 * 2 + 1  # num_workers * prefetch_factor, and one for the batch in hand
+    assert loader.stats().copies >= 100 - (slots - 1)
+    assert it.holding() == slots - 1  # every slot but one is lent; the rest came as copies
 
 
 def test_a_worker_exception_keeps_its_type_and_traceback_and_the_loader_goes_on() -> None:

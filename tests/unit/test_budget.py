@@ -31,11 +31,11 @@ def test_parse_size_rejects_types() -> None:
         parse_size(1.5)  # type: ignore[arg-type]
 
 
-def test_no_budget_is_workers_times_prefetch() -> None:
+def test_no_budget_is_workers_times_prefetch_and_one_in_hand() -> None:
     g = plan_ring(2, 3, 1_000_000, None, None)
-    assert (g.num_slots, g.data_bytes) == (6, slot_data_bytes(1_000_000))
+    assert (g.num_slots, g.data_bytes) == (7, slot_data_bytes(1_000_000))
     g = plan_ring(2, 3, None, 5000, None)
-    assert (g.num_slots, g.data_bytes) == (6, 2 * mmap.PAGESIZE)
+    assert (g.num_slots, g.data_bytes) == (7, 2 * mmap.PAGESIZE)
 
 
 @pytest.mark.parametrize("budget_mib", [3, 5, 8, 10, 40])
@@ -43,10 +43,10 @@ def test_budget_lowers_slots_then_headroom_and_always_fits(budget_mib: int) -> N
     budget = budget_mib << 20
     g = plan_ring(2, 4, 1 << 20, None, budget)
     assert g.total_bytes <= budget
-    assert 2 <= g.num_slots <= 8
+    assert 2 <= g.num_slots <= 9
     assert g.data_bytes >= 1 << 20
     if budget >= plan_ring(2, 4, 1 << 20, None, None).total_bytes + (1 << 20):
-        assert g.num_slots == 8  # with room beside the ring for one batch to overflow
+        assert g.num_slots == 9  # with room beside the ring for one batch to overflow
     elif budget >= plan_ring(2, 1, 1 << 20, None, None).total_bytes + (1 << 20):
         assert g.total_bytes + (1 << 20) <= budget
 
