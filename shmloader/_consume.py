@@ -56,7 +56,7 @@ from ._worker import WorkerConfig
 
 _IN_FLIGHT = SlotState.IN_FLIGHT
 _R_SEQ, _R_EPOCH, _STATUS, _NEEDED, _REGION = Field.R_SEQ, Field.R_EPOCH, Field.STATUS, Field.NEEDED, Field.REGION
-_NEED_MEMORY, _PIPE = int(Status.NEED_MEMORY), int(Region.PIPE)
+_OK, _NEED_MEMORY, _PIPE = int(Status.OK), int(Status.NEED_MEMORY), int(Region.PIPE)
 MAX_YIELDS, MIN_YIELDS = 64, 4  # sched_yield()s a sync next() tries before it sleeps (~1 µs each when idle)
 CHECK_S = 0.25  # how often a blocked sync wait checks worker liveness
 PARENT_CHECK_S = 0.5  # how often an idle worker checks that this process lives
@@ -400,7 +400,7 @@ class RingIterator(_BaseDataLoaderIter):
     def _submit(self, slot: int, wid: int, seq: int, index: Any) -> None:
         assert self._ring is not None
         size = self._dispatcher.submit(self._ring, slot, wid, self._table.epoch, seq, index, self._pool.send)
-        if size > self._ring.geometry.data_bytes:
+        if size > self._ring.data_bytes:
             self._want_growth(size)
 
     def _dispatch(self) -> None:
@@ -638,12 +638,12 @@ class RingIterator(_BaseDataLoaderIter):
                 seq = min(table.ready)
             slot = table.take(seq)
             hdr = self._ring.headers[slot]
-            status = int(hdr[Field.STATUS])
-            if status == Status.OK:
+            status = hdr[_STATUS]
+            if status == _OK:
                 return slot
             table.give_back(slot)
             if status == Status.STOP:
-                self._dispatcher.active[int(hdr[Field.WORKER])] = False
+                self._dispatcher.active[hdr[Field.WORKER]] = False
                 continue
             self._fail(slot, status)
         return None
@@ -689,7 +689,7 @@ class RingIterator(_BaseDataLoaderIter):
 
     def _deliver(self, slot: int) -> Any:
         assert self._ring is not None
-        piped = self._piped.pop(slot, None)
+        piped = self._piped.pop(slot, None) if self._piped else None
         if piped is not None:
             self._table.give_back(slot)
             batch, state = pickle.loads(piped)
@@ -698,8 +698,9 @@ class RingIterator(_BaseDataLoaderIter):
             self._counters.batches += 1
             self._counters.copies += 1
             return batch
-        self._delivered(self._note(slot))
-        where = self._overflow_where(slot)
+        if self._iterable:
+            self._delivered(self._note(slot))
+        where = self._overflow_where(slot) if self._overflow else None
         if where is not None:
             # The batch lies in its own overflow memory: the slot is free at once, the memory
             # once the batch's last view is dropped.
@@ -715,7 +716,8 @@ class RingIterator(_BaseDataLoaderIter):
         else:
             # Never lend the last slot: a caller that keeps every batch (list(loader), a
             # replay buffer) would leave the workers nowhere to write. Copy instead.
-            copy = self._leases.holding() + 1 >= self._table.num_slots
+            leases = self._leases
+            copy = leases.holding() + 1 >= self._table.num_slots
             try:
                 batch, base, nbytes = read_batch(self._ring, slot, copy_leaf if copy else None)
             except BaseException:
@@ -726,9 +728,10 @@ class RingIterator(_BaseDataLoaderIter):
                 del base
                 self._table.give_back(slot)
             else:
-                self._leases.lend(slot, base)
-        self._counters.batches += 1
-        self._counters.bytes += nbytes
+                leases.lend(slot, base)
+        counters = self._counters
+        counters.batches += 1
+        counters.bytes += nbytes
         return batch
 
     # --------------------------------------------------------------- sync
