@@ -242,6 +242,10 @@ static PyObject *py_publish(PyObject *self, PyObject *args) {
     Py_buffer view;
     if (!PyArg_ParseTuple(args, "OnnOnLnn", &buffer, &header, &first, &fields, &state, &done, &sem_off, &flag))
         return NULL;
+    if (header < 0 || first < 0 || first > (PY_SSIZE_T_MAX - 8) / 8 || header > PY_SSIZE_T_MAX - first * 8) {
+        PyErr_Format(PyExc_ValueError, "publish: field %zd of the header at %zd is not a field of it", first, header);
+        return NULL;
+    }
     PyObject *seq = PySequence_Fast(fields, "fields must be a sequence of ints");
     if (seq == NULL) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);

@@ -26,8 +26,8 @@ import torch
 from torch.utils.data._utils import collate as torch_collate
 
 from . import _native
-from ._layout import (CODE_OF_DTYPE, CODE_OF_NP_DTYPE, LEAF_ALIGN, LONE_LEAF, TORCH_ONLY_CODES, Kind, round_up,
-                      table_bytes, view_leaf)
+from ._layout import (CODE_OF_DTYPE, CODE_OF_NP_DTYPE, LEAF_ALIGN, LONE_LEAF, STORAGE, TORCH_ONLY_CODES,
+                      TYPED_STORAGE, Kind, round_up, table_bytes, view_leaf)
 
 Leaf = tuple[int, int, int, tuple[int, ...]]  # (dtype code, kind, offset, shape)
 _VIEW_CACHE = 256  # leaf views a writer keeps (a batch with many leaves, shapes that vary: start over)
@@ -122,6 +122,20 @@ class SlotWriter:
         self._keep.append(obj)
         return leaf_id
 
+    def storage_id(self, storage: torch.UntypedStorage) -> int | None:
+        """Leaf id for a CPU storage in the batch: its bytes, as a uint8 tensor leaf in the slot
+        (the main process hands back that leaf's storage: zero-copy, leased like a tensor)."""
+        known = self._ids.get(id(storage))
+        if known is not None:
+            return known
+        if storage.device.type != "cpu":
+            return None
+        leaf_id = self.leaf_id(torch.empty(0, dtype=torch.uint8).set_(storage))
+        if leaf_id is not None:
+            self._ids[id(storage)] = leaf_id
+            self._keep.append(storage)
+        return leaf_id
+
     def finish(self, batch: object, dataset_state: bytes = b"") -> int:
         """Pickle ``batch``'s skeleton and write it with the leaf table (and the pickled
         ``dataset_state`` after it, for an IterableDataset that has one).
@@ -162,10 +176,17 @@ class _LeafPickler(pickle.Pickler):
     def __init__(self, file: io.BytesIO, writer: SlotWriter) -> None:
         super().__init__(file, protocol=5)  # LONE_LEAF assumes protocol 5
         self._leaf_id = writer.leaf_id
+        self._storage_id = writer.storage_id
 
-    def persistent_id(self, obj: object) -> int | None:
+    def persistent_id(self, obj: object) -> int | tuple[str, int] | tuple[str, int, str] | None:
         if isinstance(obj, (torch.Tensor, np.ndarray)):
             return self._leaf_id(obj)
+        if type(obj) is torch.UntypedStorage:
+            leaf = self._storage_id(obj)
+            return None if leaf is None else (STORAGE, leaf)
+        if type(obj) is torch.TypedStorage:
+            leaf = self._storage_id(obj._untyped_storage)
+            return None if leaf is None else (TYPED_STORAGE, leaf, str(obj.dtype).removeprefix("torch."))
         return None
 
 

@@ -140,6 +140,10 @@ CODE_OF_NP_DTYPE: Final = {d: i for i, d in enumerate(NP_DTYPES) if d is not Non
 
 # The skeleton of a batch that is one leaf: pickle protocol 5 of persistent id 0.
 LONE_LEAF: Final = b"\x80\x05\x95\x04\x00\x00\x00\x00\x00\x00\x00K\x00Q."
+# Persistent ids of storages in a skeleton: (STORAGE, leaf) and (TYPED_STORAGE, leaf, dtype
+# name); the leaf is a uint8 tensor of the storage's bytes.
+STORAGE: Final = "storage"
+TYPED_STORAGE: Final = "typed_storage"
 
 
 def view_leaf(raw: np.ndarray[Any, Any], code: int, kind: int, shape: tuple[int, ...]) -> Any:

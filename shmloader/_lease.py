@@ -24,7 +24,7 @@ import torch
 
 from . import _native
 from ._errors import CorruptSlotError
-from ._layout import _NUMPY_MAX_NDIM, LONE_LEAF, NP_DTYPES, Field, Kind, Region, view_leaf
+from ._layout import _NUMPY_MAX_NDIM, LONE_LEAF, NP_DTYPES, STORAGE, TYPED_STORAGE, Field, Kind, Region, view_leaf
 from ._ring import Ring
 
 
@@ -92,9 +92,17 @@ class _LeafUnpickler(pickle.Unpickler):
         self._leaves = leaves
 
     def persistent_load(self, pid: Any) -> Any:
-        if type(pid) is not int or not 0 <= pid < len(self._leaves):
-            raise CorruptSlotError(f"batch skeleton refers to leaf {pid!r} of {len(self._leaves)}")
-        return self._leaves[pid]
+        if type(pid) is int and 0 <= pid < len(self._leaves):
+            return self._leaves[pid]
+        if type(pid) is tuple and len(pid) in (2, 3) and type(pid[1]) is int and 0 <= pid[1] < len(self._leaves):
+            leaf = self._leaves[pid[1]]  # a storage: its bytes' leaf (uint8), handed back as a storage of it
+            if type(leaf) is torch.Tensor and leaf.dtype is torch.uint8 and leaf.dim() == 1:
+                if pid[0] == STORAGE and len(pid) == 2:
+                    return leaf.untyped_storage()
+                dtype = getattr(torch, pid[2], None) if pid[0] == TYPED_STORAGE and len(pid) == 3 else None
+                if isinstance(dtype, torch.dtype):
+                    return torch.TypedStorage(wrap_storage=leaf.untyped_storage(), dtype=dtype, _internal=True)  # type: ignore[no-untyped-call]
+        raise CorruptSlotError(f"batch skeleton refers to leaf {pid!r} of {len(self._leaves)}")
 
 
 def _span(hdr: memoryview, off_field: int, len_field: int, cap: int, what: str, slot: int) -> tuple[int, int]:

@@ -162,3 +162,58 @@ def test_odd_values_as_torch_delivers_them(name: str, collate: Any) -> None:
     if not isinstance(theirs, list):  # its workers' shared-memory path: default_collate in process
         theirs = outcomes_of(make, torch.utils.data.DataLoader, **kw)
     assert outcomes_of(make, shmloader.DataLoader, num_workers=2, **kw) == theirs
+
+
+def storage_outcome(loader: Any) -> Any:
+    """Batches of storages (or lists of them) as (type, dtype, bytes), or the exception's type."""
+    def seen(s: Any) -> Any:
+        if isinstance(s, list):
+            return [seen(x) for x in s]
+        return type(s).__name__, getattr(s, "dtype", None), bytes(s.untyped() if type(s) is torch.TypedStorage else s)
+
+    it = iter(loader)
+    try:
+        return [seen(batch) for batch in it]
+    except Exception as exc:
+        return type(exc)
+    finally:
+        getattr(it, "_shutdown_workers", lambda: None)()
+
+
+@pytest.mark.parametrize("typed", [False, True], ids=["UntypedStorage", "TypedStorage"])
+@pytest.mark.parametrize("collation", ["none", "custom", "default"])
+def test_storages_as_samples(typed: bool, collation: str) -> None:
+    def make(i: int) -> Any:
+        t = torch.arange(i, i + 5, dtype=torch.int32)
+        return t.storage() if typed else t.untyped_storage()
+
+    kw: dict[str, Any] = {"batch_size": None} if collation == "none" else {"batch_size": 2}
+    if collation == "custom":
+        kw["collate_fn"] = list
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TypedStorage's deprecation
+        theirs = storage_outcome(torch.utils.data.DataLoader(Samples(make), num_workers=2, **kw))
+        ours = storage_outcome(shmloader.DataLoader(Samples(make), num_workers=2, **kw))
+    assert ours == theirs
+    if collation == "default":
+        assert theirs is TypeError  # default_collate refuses storages, in both
+    else:
+        assert isinstance(theirs, list) and len(theirs) == (4 if collation == "none" else 2)
+
+
+def test_a_storage_is_a_zero_copy_leased_view_of_its_slot() -> None:
+    loader = shmloader.DataLoader(Samples(lambda i: torch.full((4,), i, dtype=torch.int64).untyped_storage()),
+                                  batch_size=None, num_workers=2)
+    it = iter(loader)
+    storage = next(it)
+    assert isinstance(storage, torch.UntypedStorage) and bytes(storage) == bytes(torch.zeros(4, dtype=torch.int64).numpy())
+    ring = it._ring
+    assert ring is not None
+    origin = ring.bytes.__array_interface__["data"][0]
+    assert origin <= storage.data_ptr() < origin + ring.geometry.total_bytes  # in the ring: not a copy
+    assert it.holding() == 1  # the storage holds its slot...
+    kept = next(it)
+    assert it.holding() == 2
+    del storage
+    assert it.holding() == 1 and bytes(kept) == bytes(torch.ones(4, dtype=torch.int64).numpy())  # ...until dropped
+    it._shutdown_workers()

@@ -1,0 +1,221 @@
+"""Fuzz every function of ``shmloader._native`` with hostile input, in a process of its own.
+
+Run by ``test_native_under_sanitizers`` against the extension built with AddressSanitizer and
+UBSan (``python native_fuzz.py PATH_TO_SO SEED COUNT``), so a read or write outside a buffer,
+a use after free or undefined behaviour aborts the process with the sanitizer's report. It
+imports neither torch nor shmloader: only the module at PATH_TO_SO.
+
+Each round checks what the functions promise, not only that they survive:
+- ``decode_table`` of random bytes, and of valid tables with bytes flipped, either raises
+  ValueError or returns leaves that lie inside the data region, aligned, with a byte size
+  that matches their shape;
+- ``encode_table`` round-trips through ``decode_table``; malformed entries (lists, negative
+  or huge dimensions, unknown codes, a dimension whose ``__index__`` empties the caller's list)
+  raise TypeError or ValueError, never write past ``limit``;
+- the synchronisation calls (``sem_*``, ``load_acquire``, ``store_*``, ``collect``,
+  ``post_task``, ``publish``) refuse offsets outside the buffer or misaligned, with
+  ValueError, and leave the bytes around their target untouched.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import mmap
+import random
+import struct
+import sys
+from typing import Any
+
+SIZE = 1 << 16  # the buffer every call gets; a guard zone on each side is checked after each call
+GUARD = 4096
+SEMS = 4096  # the buffer's first bytes hold semaphores; other calls write only after them
+
+
+def load(path: str) -> Any:
+    loader = importlib.machinery.ExtensionFileLoader("_native", path)
+    spec = importlib.util.spec_from_loader("_native", loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+class Guarded:
+    """A buffer of SIZE bytes inside a mapping whose guard zones must stay 0xA5."""
+
+    def __init__(self) -> None:
+        self.mm = mmap.mmap(-1, SIZE + 2 * GUARD)
+        self.mm[:] = b"\xa5" * len(self.mm)
+        self.view = memoryview(self.mm)[GUARD : GUARD + SIZE]
+
+    def check(self, what: str) -> None:
+        if self.mm[:GUARD].count(0xA5) != GUARD or self.mm[GUARD + SIZE :].count(0xA5) != GUARD:
+            raise SystemExit(f"{what}: a write left the buffer")
+
+
+def random_shape(rng: random.Random, ndim: int) -> tuple[int, ...]:
+    return tuple(rng.choice([0, 1, 2, 3, 7, 64, rng.randrange(100)]) for _ in range(ndim))
+
+
+def fuzz_decode(native: Any, rng: random.Random, g: Guarded) -> None:
+    limit = rng.choice([0, 64, 4096, SIZE, 2**40, -1])
+    if rng.random() < 0.5:  # random bytes behind a valid head (magic, count)
+        n = rng.randrange(0, 512)
+        raw = struct.pack("<II", 0x544C4853 if rng.random() < 0.9 else rng.randrange(2**32),
+                          rng.randrange(0, 40)) + rng.randbytes(n)
+    else:  # a valid table with a few bytes flipped
+        leaves = [(rng.randrange(native.N_CODES), rng.randrange(native.N_KINDS), 64 * rng.randrange(64),
+                   random_shape(rng, rng.randrange(0, 6))) for _ in range(rng.randrange(1, 5))]
+        buf = bytearray(4096)
+        try:
+            n = native.encode_table(buf, 0, len(buf), leaves)
+        except ValueError:
+            return
+        for _ in range(rng.randrange(1, 6)):
+            buf[rng.randrange(n)] = rng.randrange(256)
+        raw = bytes(buf[: n + rng.randrange(-8, 8) if n > 8 else n])
+    if rng.random() < 0.5:  # inside the mapping
+        off = rng.choice([SEMS, SEMS + 8, SIZE - len(raw)])
+        g.view[off : off + len(raw)] = raw
+        buffer: Any = g.view
+        length = rng.choice([len(raw), len(raw) + 8, SIZE - off, rng.randrange(0, len(raw) + 1), -1, 2**62])
+    else:  # a bytes object of its exact size: with PYTHONMALLOC=malloc, a read past it is ASan's to see
+        off, buffer = 0, bytes(raw)
+        length = rng.choice([len(raw), len(raw) + 8, rng.randrange(0, len(raw) + 1), -1, 2**62])
+    try:
+        table = native.decode_table(buffer, off, length, limit)
+    except ValueError:
+        g.check("decode_table")
+        return
+    g.check("decode_table")
+    for code, kind, loff, nbytes, shape in table:
+        items = 1
+        for d in shape:
+            assert d >= 0, shape
+            items *= d
+        assert 0 <= code < native.N_CODES and 0 <= kind < native.N_KINDS, (code, kind)
+        assert loff % native.LEAF_ALIGN == 0 and 0 <= loff and loff + nbytes <= limit, (loff, nbytes, limit)
+        assert len(shape) <= native.MAX_NDIM
+        assert nbytes == items * native.ITEMSIZES[code], (nbytes, items, code)
+
+
+class Emptying:
+    """A dimension whose ``__index__`` empties the list being encoded (the caller's, mid-call)."""
+
+    def __init__(self, victim: list[Any]) -> None:
+        self.victim = victim
+
+    def __index__(self) -> int:
+        self.victim.clear()
+        return 3
+
+
+def fuzz_encode(native: Any, rng: random.Random, g: Guarded) -> None:
+    leaves: list[Any] = []
+    for _ in range(rng.randrange(0, 6)):
+        shape: Any = random_shape(rng, rng.choice([0, 1, 3, 32, 64, 65, 200]))
+        kind = rng.random()
+        if kind < 0.05:
+            shape = list(shape)
+        elif kind < 0.1:
+            shape = (2**63, 2)
+        elif kind < 0.15:
+            shape = (-1,)
+        elif kind < 0.2:
+            shape = (Emptying(leaves), 2)
+        leaves.append((rng.choice([0, 5, native.N_CODES - 1, native.N_CODES, -1]), rng.choice([0, 1, 2]),
+                       rng.choice([0, 64, 63, -64, 2**62]), shape))
+    if rng.random() < 0.05:
+        leaves.append([0, 0, 0, (1,)])  # a list entry, not a tuple
+    off, limit = rng.choice([SEMS, SEMS + 64, SIZE - 256]), rng.choice([0, 8, 100, 256, 4096, SIZE])
+    limit = min(limit, SIZE - off) if rng.random() < 0.9 else limit
+    g.view[off : min(SIZE, off + limit)] = b"\0" * (min(SIZE, off + limit) - off)
+    if rng.random() < 0.3:  # a heap buffer of exactly `limit` bytes (PYTHONMALLOC=malloc: ASan sees past it)
+        try:
+            native.encode_table(bytearray(max(0, limit)), 0, limit, leaves)
+        except (TypeError, ValueError, OverflowError):
+            pass
+        return
+    try:
+        n = native.encode_table(g.view, off, limit, leaves)
+    except (TypeError, ValueError, OverflowError):
+        g.check("encode_table")
+        return
+    g.check("encode_table")
+    assert 0 < n <= limit, (n, limit)
+    if off + n <= SIZE:
+        assert bytes(g.view[off + n : min(SIZE, off + limit)]).count(0) == min(SIZE, off + limit) - off - n
+    try:
+        back = native.decode_table(g.view, off, n, 2**62)
+    except ValueError:
+        return  # a leaf it wrote with a byte size that overflows: refused on the way back, never trusted
+    assert len(back) == len(leaves) or not leaves, (len(back), len(leaves))
+
+
+def sem_offset(native: Any, rng: random.Random) -> int:
+    """A semaphore's offset, or one the call must refuse (outside the buffer, misaligned).
+    (POSIX leaves a semaphore call on bytes that are not a semaphore undefined: glibc aborts.)"""
+    if rng.random() < 0.7:
+        return native.SEM_STRIDE * rng.randrange(SEMS // native.SEM_STRIDE)
+    return rng.choice([SIZE, SIZE - 8, SIZE + 64, -64, -1, 3, 2**62, -(2**62)])
+
+
+def data_offset(rng: random.Random) -> int:
+    """An offset past the semaphores, or one the call must refuse."""
+    if rng.random() < 0.7:
+        return rng.choice([SEMS, SIZE - 8, SIZE - 64, rng.randrange(SEMS, SIZE)])
+    return rng.choice([SIZE, SIZE + 8, -8, -1, 2**62, -(2**62), rng.randrange(SIZE, 2 * SIZE)])
+
+
+def fuzz_sync(native: Any, rng: random.Random, g: Guarded) -> None:
+    before = bytes(g.view[:SEMS])
+    calls = [
+        lambda: native.sem_post(g.view, sem_offset(native, rng)),
+        lambda: native.sem_wait(g.view, sem_offset(native, rng), 0.0),
+        lambda: native.sem_init(g.view, rng.choice([SIZE, -64, 3, 2**62])),
+        lambda: native.load_acquire(g.view, rng.choice([data_offset(rng), sem_offset(native, rng)])),
+        lambda: native.store_release(g.view, data_offset(rng), rng.randrange(-(2**63), 2**63)),
+        lambda: native.store_fenced(g.view, data_offset(rng), rng.randrange(-(2**63), 2**63)),
+        lambda: native.collect(g.view, sem_offset(native, rng),
+                               tuple(rng.choice([data_offset(rng), sem_offset(native, rng)]) for _ in range(rng.randrange(5))), 1),
+        lambda: native.post_task(g.view, data_offset(rng), tuple(range(rng.randrange(6))), rng.randbytes(rng.randrange(200)),
+                                 data_offset(rng), data_offset(rng), rng.randrange(8), sem_offset(native, rng)),
+        lambda: native.publish(g.view, data_offset(rng), rng.randrange(-2, 20), tuple(range(rng.randrange(14))),
+                               data_offset(rng), 1, sem_offset(native, rng), data_offset(rng)),
+    ]
+    try:
+        rng.choice(calls)()
+    except (ValueError, OverflowError, TypeError):
+        pass
+    g.check("sync call")
+    after = bytes(g.view[:SEMS])
+    if after != before:  # only a post or a wait may change a semaphore: its count
+        for k in range(0, SEMS, native.SEM_STRIDE):
+            a, b = after[k : k + native.SEM_STRIDE], before[k : k + native.SEM_STRIDE]
+            assert a == b or a[8:] == b[8:], f"semaphore at {k} changed beyond its count"
+    sem = native.SEM_STRIDE * rng.randrange(SEMS // native.SEM_STRIDE)
+    while native.sem_wait(g.view, sem, 0.0):
+        pass
+    native.sem_post(g.view, sem)
+    tokens, flags = native.collect(g.view, sem, (SEMS, SEMS + 8), 0)
+    assert tokens == 1 and len(flags) == 2, (tokens, flags)
+
+
+def main() -> None:
+    path, seed, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    native = load(path)
+    rng = random.Random(seed)
+    g = Guarded()
+    for k in range(0, SEMS, native.SEM_STRIDE):
+        native.sem_init(g.view, k)
+    kinds = [fuzz_decode, fuzz_encode, fuzz_sync]
+    for i in range(count):
+        rng.choice(kinds)(native, rng, g)
+    with open("/proc/self/maps") as maps:
+        sanitized = "libasan" in maps.read()
+    print(f"native fuzz: {count} inputs, seed {seed}: no finding (AddressSanitizer {'loaded' if sanitized else 'absent'})")
+
+
+if __name__ == "__main__":
+    main()
