@@ -159,15 +159,15 @@ class SlotWriter:
         if not self.fits or needed > self.capacity:
             self.fits = False
             return needed
-        assert self._bytes is not None
+        assert self._mm is not None
         start = self.data_off + self.pickled_off
-        self._bytes[start : start + self.pickled_len] = np.frombuffer(skeleton, dtype=np.uint8)
+        self._mm[start : start + self.pickled_len] = skeleton
         written = _native.encode_table(self._mm, self.data_off + self.table_off, self.table_len, self.leaves)
         if written != self.table_len:
             raise RuntimeError(f"the leaf table took {written} bytes, {self.table_len} were reserved")
         if dataset_state:
             start = self.data_off + self.dataset_state_off
-            self._bytes[start : start + self.dataset_state_len] = np.frombuffer(dataset_state, dtype=np.uint8)
+            self._mm[start : start + self.dataset_state_len] = dataset_state
         self._keep.clear()
         return needed
 

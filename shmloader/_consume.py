@@ -404,6 +404,8 @@ class RingIterator(_BaseDataLoaderIter):
             self._want_growth(size)
 
     def _dispatch(self) -> None:
+        ring = self._ring
+        assert ring is not None
         table = self._table
         # torch's bound: num_workers * prefetch_factor tasks dispatched and not yet taken.
         # The ring's extra slot is for the batch in the user's hands, never one more task.
@@ -413,7 +415,12 @@ class RingIterator(_BaseDataLoaderIter):
             if task is None:
                 return
             wid, seq, index = task
-            self._submit(table.dispatch(wid, seq, index), wid, seq, index)
+            slot = table.dispatch(wid, seq, index)
+            payload = pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
+            if len(payload) <= ring.data_bytes:  # the common case, without the dispatcher's frames
+                ring.post_task(wid, slot, table.epoch, seq, payload)
+            else:
+                self._submit(slot, wid, seq, index)
 
     def _next_task(self) -> tuple[int, int, Any] | None:
         """(worker, seq, index) of the epoch's next batch, or None when there is none."""

@@ -150,11 +150,16 @@ class _Producer:
         try:
             samples = self._samples(epoch, index)
             if self.fused:
-                batch = torch_collate.collate(samples, collate_fn_map=fn_map)
+                # Samples that are plain tensors: the map's tensor entry, as collate() would call it
+                stack = fn_map.get(torch.Tensor) if type(samples) is list and samples and type(samples[0]) is torch.Tensor else None
+                if stack is not None:
+                    batch = stack(samples, collate_fn_map=fn_map)
+                else:
+                    batch = torch_collate.collate(samples, collate_fn_map=fn_map)
             else:
                 batch = self.cfg.collate_fn(samples)
             del samples
-            self.dataset_state = self._dataset_state()
+            self.dataset_state = self._dataset_state() if self.cfg.iterable else b""
             needed = writer.finish(batch, self.dataset_state)
         except StopIteration:
             if not self.cfg.iterable:
