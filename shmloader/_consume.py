@@ -42,7 +42,7 @@ import torch
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
 from . import _checkpoint, _device
-from ._dispatch import Dispatcher
+from ._dispatch import Dispatcher, encode_index
 from ._errors import CorruptSlotError, MemoryBudgetError, WorkerDiedError
 from ._budget import plan_ring
 from ._layout import IDLE, PAGE, RESIZE_TASK, Counter, Field, Region, RingGeometry, Status, grown_slot_bytes, round_up
@@ -416,9 +416,9 @@ class RingIterator(_BaseDataLoaderIter):
                 return
             wid, seq, index = task
             slot = table.dispatch(wid, seq, index)
-            payload = pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
+            payload, task_len = encode_index(index)
             if len(payload) <= ring.data_bytes:  # the common case, without the dispatcher's frames
-                ring.post_task(wid, slot, table.epoch, seq, payload)
+                ring.post_task(wid, slot, table.epoch, seq, payload, task_len)
             else:
                 self._submit(slot, wid, seq, index)
 

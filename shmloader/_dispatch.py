@@ -13,8 +13,26 @@ from __future__ import annotations
 import pickle
 from typing import Any, Callable
 
+from . import _native
 from ._layout import IDLE, Field
 from ._ring import Ring
+
+
+def encode_index(index: Any) -> tuple[bytes, int]:
+    """An index's bytes and its TASK_LEN: a list of ints (a batch sampler's) as int64 values,
+    anything else pickled. The worker decodes either to an equal object of the same types."""
+    packed = _native.pack_ints(index)
+    if packed is not None:
+        return packed, -2 - len(index)
+    payload = pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
+    return payload, len(payload)
+
+
+def decode_index(view: memoryview, task_len: int) -> Any:
+    """The index ``encode_index`` wrote at the start of ``view`` (the slot's data region)."""
+    if task_len >= 0:
+        return pickle.loads(view[:task_len])
+    return view[: 8 * (-2 - task_len)].cast("q").tolist()
 
 
 class Dispatcher:
@@ -46,10 +64,11 @@ class Dispatcher:
                send: Callable[[int, tuple[Any, ...]], None]) -> int:
         """Write the task into ``slot`` and queue it for worker ``wid``; an index too large for
         the slot goes over the worker's connection (``send``) instead. Returns its size."""
-        payload = pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
-        if len(payload) <= ring.geometry.data_bytes:
-            ring.post_task(wid, slot, epoch, seq, payload)
+        payload, task_len = encode_index(index)
+        if len(payload) <= ring.data_bytes:
+            ring.post_task(wid, slot, epoch, seq, payload, task_len)
             return len(payload)
+        payload = pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
         hdr = ring.headers[slot]
         hdr[Field.STATE] = IDLE
         hdr[Field.EPOCH] = epoch

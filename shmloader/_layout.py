@@ -50,7 +50,8 @@ class Field:
     STATE = 0  # IDLE while the task is pending, DONE once the result is complete (release/acquire)
     EPOCH = 1  # task: epoch the task belongs to
     SEQ = 2  # task: sequence number within the epoch
-    TASK_LEN = 3  # task: bytes of the pickled index at the start of the data region
+    TASK_LEN = 3  # task: bytes of the pickled index at the start of the data region; -1: the index came
+    # over the worker's connection; -2 - n: the index is a list of n ints, as int64 at the data region's start
     STATUS = 4  # result: a Status value
     WORKER = 5  # result: id of the worker that wrote it
     TABLE_OFF = 6  # result: offset of the leaf table in the data region

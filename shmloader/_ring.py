@@ -48,7 +48,7 @@ class _Views:
         self.state_offset_tuple = tuple(self.state_offsets)
         # Headers, queues and counters as int64 memoryviews: an item reads as a plain int (a
         # numpy scalar costs more, and the consumer reads about ten header fields per batch).
-        whole = memoryview(mm)
+        self.whole = whole = memoryview(mm)
         self.headers = [whole[off : off + N_FIELDS * 8].cast("q") for off in self.header_offsets]
         self.queues = [whole[off : off + geometry.queue_len * 8].cast("q") for off in self.queue_offsets]
         self.counters = [
@@ -115,13 +115,14 @@ class Ring(_Views):
         self._tails[worker] += 1
         _native.sem_post(self.mm, self.task_sems[worker])
 
-    def post_task(self, worker: int, slot: int, epoch: int, seq: int, payload: bytes) -> None:
-        """Write a task (its header fields and the pickled index ``payload``, which fits the
-        slot) into ``slot``, queue it for ``worker`` and wake it: one native call."""
+    def post_task(self, worker: int, slot: int, epoch: int, seq: int, payload: bytes, task_len: int) -> None:
+        """Write a task (its header fields and the index's bytes ``payload``, which fit the
+        slot; ``task_len`` says how to read them, see ``Field.TASK_LEN``) into ``slot``, queue
+        it for ``worker`` and wake it: one native call."""
         tail = self._tails[worker]
         self._tails[worker] = tail + 1
         entry = self.queue_offsets[worker] + (tail % self.queue_len) * 8
-        _native.post_task(self.mm, self.header_offsets[slot], (IDLE, epoch, seq, len(payload)), payload,
+        _native.post_task(self.mm, self.header_offsets[slot], (IDLE, epoch, seq, task_len), payload,
                           self.data_offsets[slot], entry, slot, self.task_sems[worker])
 
     def renew_queue(self, worker: int) -> None:

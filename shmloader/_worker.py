@@ -39,6 +39,7 @@ from multiprocessing import reduction
 from torch.utils.data._utils import worker as torch_worker
 
 from ._collate import SlotWriter, slot_collate_map
+from ._dispatch import decode_index
 from ._layout import RESIZE_TASK, Counter, Field, Region, RingGeometry, Status
 from ._ring import AttachedRing, RingSpec
 
@@ -492,8 +493,8 @@ def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: _Producer, mailbox: 
         hdr = ring.headers[slot]
         epoch, seq, task_len = hdr[_EPOCH], hdr[_SEQ], hdr[_TASK_LEN]
         start = ring.data_offsets[slot]
-        if task_len >= 0:
-            index = pickle.loads(ring.mm[start : start + task_len])
+        if task_len != -1:
+            index = decode_index(ring.whole[start : start + ring.data_bytes], task_len)
         else:  # the pickled index did not fit the slot: it came over the connection
             msg = mailbox.expect("index", slot)
             if msg is None:

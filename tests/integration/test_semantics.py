@@ -193,3 +193,26 @@ def test_numpy_leaves_from_custom_collate_stay_numpy() -> None:
     got = list(shmloader.DataLoader(Range(6), batch_size=3, num_workers=1, collate_fn=collate))
     assert [type(b["np"]) for b in got] == [np.ndarray, np.ndarray]
     assert got[1]["np"].ravel().tolist() == [3, 4, 5] and got[0]["n"] == 3
+
+
+class IndexTypes(tud.Dataset):  # type: ignore[type-arg]
+    """A batch is what ``__getitems__`` was given, spelled out: each index's type and value."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: Any) -> Any:
+        raise AssertionError("__getitems__ is used")
+
+    def __getitems__(self, index: Any) -> list[str]:
+        return [f"{type(index).__name__}:{type(i).__name__}:{i!r}" for i in index]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_dataset_gets_the_index_torch_gives_it(workers: int) -> None:
+    # Lists of ints travel as int64 values, anything else pickled: each arrives as itself.
+    batches = [[0, 1, 2], [7], [np.int64(3), 4], [True, 5], (6, 7), [2**40, -1], [], list(range(500)), [3.0]]
+    want = list(tud.DataLoader(IndexTypes(), batch_sampler=batches, collate_fn=list, num_workers=workers))
+    got = list(shmloader.DataLoader(IndexTypes(), batch_sampler=batches, collate_fn=list, num_workers=workers))
+    assert got == want and got[2][0].startswith("list:int64:") and got[2][1] == "list:int:4"
+    assert got[3][0] == "list:bool:True" and got[4][0] == "tuple:int:6"

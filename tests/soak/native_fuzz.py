@@ -12,6 +12,8 @@ Each round checks what the functions promise, not only that they survive:
 - ``encode_table`` round-trips through ``decode_table``; malformed entries (lists, negative
   or huge dimensions, unknown codes, a dimension whose ``__index__`` empties the caller's list)
   raise TypeError or ValueError, never write past ``limit``;
+- ``pack_ints`` packs a list of exact ints that fit int64, and refuses anything else (bools,
+  floats, tuples, ints out of range) with None;
 - the synchronisation calls (``sem_*``, ``load_acquire``, ``store_*``, ``collect``,
   ``post_task``, ``publish``) refuse offsets outside the buffer or misaligned, with
   ValueError, and leave the bytes around their target untouched.
@@ -202,6 +204,18 @@ def fuzz_sync(native: Any, rng: random.Random, g: Guarded) -> None:
     assert tokens == 1 and len(flags) == 2, (tokens, flags)
 
 
+def fuzz_pack(native: Any, rng: random.Random, g: Guarded) -> None:
+    items = [rng.choice([0, -1, 2**63 - 1, -(2**63), 2**63, -(2**63) - 1, 10**30, True, 1.0, "1", None,
+                         rng.randrange(-(2**70), 2**70)]) for _ in range(rng.randrange(0, 40))]
+    index: Any = items if rng.random() < 0.9 else tuple(items)
+    packed = native.pack_ints(index)
+    exact = type(index) is list and all(type(v) is int and -(2**63) <= v < 2**63 for v in items)
+    if exact:
+        assert packed == struct.pack(f"<{len(items)}q", *items), (items, packed)
+    else:
+        assert packed is None, (items, packed)
+
+
 def main() -> None:
     path, seed, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     native = load(path)
@@ -209,7 +223,7 @@ def main() -> None:
     g = Guarded()
     for k in range(0, SEMS, native.SEM_STRIDE):
         native.sem_init(g.view, k)
-    kinds = [fuzz_decode, fuzz_encode, fuzz_sync]
+    kinds = [fuzz_decode, fuzz_encode, fuzz_sync, fuzz_pack]
     for i in range(count):
         rng.choice(kinds)(native, rng, g)
     with open("/proc/self/maps") as maps:
