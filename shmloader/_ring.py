@@ -66,10 +66,6 @@ class _Views:
         after it)."""
         return _native.collect(self.mm, self.ready_sem, self.state_offset_tuple, DONE)
 
-    def is_done(self, slot: int) -> bool:
-        """Whether ``slot`` is published (an acquire load: its contents are visible after it)."""
-        return _native.load_acquire(self.mm, self.state_offsets[slot]) == DONE
-
     def set_state(self, slot: int, state: int) -> None:
         """Store ``slot``'s STATE with release ordering, after everything written before it."""
         _native.store_release(self.mm, self.state_offsets[slot], state)
@@ -163,10 +159,6 @@ class AttachedRing(_Views):
         finally:
             os.close(fd)
         return cls(geometry, mm, worker_id)
-
-    def post_ready(self) -> None:
-        """Tell the consumer a slot is published (a full barrier, after ``set_state``)."""
-        _native.sem_post(self.mm, self.ready_sem)
 
     def publish(self, slot: int, results: tuple[int, ...]) -> bool:
         """Store a slot's result fields (``results``: the header from STATUS on, in field

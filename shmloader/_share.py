@@ -9,7 +9,8 @@ shared pages and its memory stays flat whatever it reads.
 
 Layout of the file (little-endian)::
 
-    header   magic u64 | kind u64 (list, tuple, dict) | n u64 | blob offset u64 | data offset u64 | total u64
+    header   magic u64 | kind u64 (list, tuple, dict) | n u64 | blob offset u64 | data offset u64 | total u64 |
+             elements holding views u64 (0: no read needs the views table)
     offsets  u64[n + 1]: element i is blob[offsets[i]:offsets[i + 1]] (a protocol-5 pickle)
     views    u64[n]: how many arrays and tensors element i holds (0: plain ``pickle.loads``)
     (dict)   keys u64[n + 1] (key i: blob[keys[i]:keys[i + 1]]), then hashes u64[n] sorted and
@@ -45,7 +46,7 @@ import torch
 
 MAGIC = 0x53484D53_48415245  # "SHMSHARE"
 KINDS: dict[type, int] = {list: 0, tuple: 1, dict: 2}
-_HEADER = 6 * 8
+_HEADER = 7 * 8
 _ALIGN = 64
 # Once written: no more seals, no size change, no write (through any descriptor or mapping).
 _SEALS = (getattr(fcntl, "F_SEAL_SEAL", 1) | getattr(fcntl, "F_SEAL_SHRINK", 2) | getattr(fcntl, "F_SEAL_GROW", 4)
@@ -155,7 +156,8 @@ def _write(kind: int, keys: list[Any], values: Iterable[Any]) -> tuple[int, int]
     blob_off = _HEADER + len(tables)
     data_off = -(-(blob_off + len(blob)) // _ALIGN) * _ALIGN
     total = max(data_off + leaves.size, 1)
-    header = np.asarray([MAGIC, kind, n, blob_off, data_off, total], dtype="<u8").tobytes()
+    with_views = len(views) - views.count(0)
+    header = np.asarray([MAGIC, kind, n, blob_off, data_off, total, with_views], dtype="<u8").tobytes()
     fd = os.memfd_create("shmloader-share", os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 2))
     try:
         os.ftruncate(fd, total)
@@ -186,8 +188,9 @@ class _Store:
     """The mapped file, its tables, and element decoding (shared by the containers). It
     pickles as its file descriptor."""
 
-    def __init__(self, fd: int, mm: mmap.mmap, n: int, blob_off: int, data_off: int) -> None:
+    def __init__(self, fd: int, mm: mmap.mmap, n: int, blob_off: int, data_off: int, with_views: int) -> None:
         self.fd, self.mm, self.n, self.blob_off, self.data_off = fd, mm, n, blob_off, data_off
+        self.with_views = with_views  # elements holding arrays or tensors
         # Tables are read in place through memoryviews: an index makes a fresh int. (A list of
         # ints here would be millions of objects whose reference counts every read writes:
         # the very copy-on-read this module exists to end.)
@@ -203,13 +206,13 @@ class _Store:
         """Map ``fd`` (owned from here on) copy-on-write: a write stays this process's."""
         try:
             mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)
-            head = np.frombuffer(mm, dtype="<u8", count=6)
+            head = np.frombuffer(mm, dtype="<u8", count=7)
             if int(head[0]) != MAGIC or int(head[5]) != size:
                 raise ValueError("not a shmloader.share() file (or a truncated one)")
         except BaseException:
             os.close(fd)
             raise
-        return cls(fd, mm, int(head[2]), int(head[3]), int(head[4])), int(head[1])
+        return cls(fd, mm, int(head[2]), int(head[3]), int(head[4]), int(head[6])), int(head[1])
 
     def element(self, i: int) -> Any:
         offsets = self.offsets
@@ -274,19 +277,22 @@ class SharedList(collections.abc.Sequence):  # type: ignore[type-arg]
     (a list of copies), iteration, ``in``, ``index``, ``count``. Each read returns a fresh
     copy of the element; its arrays and tensors are views of the shared bytes."""
 
-    __slots__ = ("_store", "_tuple", "_n", "_offsets", "_views", "_blob")
+    __slots__ = ("_store", "_tuple", "_n", "_offsets", "_views", "_blob", "_plain")
 
     def __init__(self, store: _Store, tuple_: bool = False) -> None:
         self._store = store
         self._tuple = tuple_
         # The read path's tables, one attribute away (a read is a few hundred ns).
         self._n, self._offsets, self._views, self._blob = store.n, store.offsets, store.views, store.blob
+        # No element holds an array or tensor (an index of paths and labels): a read never
+        # looks at the views table, one cache miss fewer on a random read.
+        self._plain = store.with_views == 0
 
     def __len__(self) -> int:
         return self._n
 
     def __getitem__(self, i: Any) -> Any:
-        if type(i) is int and 0 <= i < self._n and not self._views[i]:  # the common case, inline
+        if type(i) is int and 0 <= i < self._n and (self._plain or not self._views[i]):  # the common case, inline
             offsets = self._offsets
             return pickle.loads(self._blob[offsets[i] : offsets[i + 1]])
         store = self._store
