@@ -179,7 +179,9 @@ class RingIterator(_BaseDataLoaderIter):
         return self._shutdown
 
     # ----------------------------------------------------------------- logic
-    def _steps(self) -> Generator[tuple[Any, ...], None, Any]:
+    def _steps(self, looked: bool = False) -> Generator[tuple[Any, ...], None, Any]:
+        """The logic of one ``next()``; ``looked``: a ``_round`` just ran and found nothing ready
+        (the steady-state fast path), so the first wait comes without another."""
         if self._stager is not None and self._stager.staged:
             return self._pop_staged()  # batches staged before an error or shutdown come first
         if self._pending_error is not None:
@@ -197,7 +199,8 @@ class RingIterator(_BaseDataLoaderIter):
         if not self._started and not self._sampler_done:
             yield from self._start()
         while True:
-            result = self._round()
+            result = None if looked else self._round()
+            looked = False
             if result is _GROW:
                 yield from self._grow()
                 continue
@@ -769,9 +772,10 @@ class RingIterator(_BaseDataLoaderIter):
         asked = self._counters.requested()
         try:
             # The steady state: a batch is ready, nothing pending; no generator is needed.
-            result = self._round() if self._steady() else None
+            looked = self._steady()
+            result = self._round() if looked else None
             if result is None or result is _GROW:
-                steps = self._steps()
+                steps = self._steps(looked and result is None)
                 request = next(steps)
                 while True:
                     self._block(request)
