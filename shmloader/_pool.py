@@ -131,6 +131,9 @@ class WorkerPool:
                 proc.join(JOIN_GRACE_S)
             if proc.exitcode is None:
                 os.kill(proc.pid, signal.SIGKILL)
-                proc.join()
+            # Joined to the end (at once: it has exited or been killed). A process that exited
+            # after its timed join, seen only through ``exitcode``, would otherwise stay in
+            # multiprocessing's children with its two pipes open until the next start.
+            proc.join()
         for conn in self.conns:
             conn.close()
