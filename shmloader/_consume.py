@@ -401,14 +401,19 @@ class RingIterator(_BaseDataLoaderIter):
             yield ("conns", wids)
 
     def _submit(self, slot: int, wid: int, seq: int, index: Any) -> None:
-        assert self._ring is not None
-        size = self._dispatcher.submit(self._ring, slot, wid, self._table.epoch, seq, index, self._pool.send)
-        if size > self._ring.data_bytes:
+        """Write task ``seq`` into ``slot`` and wake worker ``wid``: one native call when its
+        index fits the slot (the common case); otherwise the index goes over the connection."""
+        ring = self._ring
+        assert ring is not None
+        payload, task_len = encode_index(index)
+        if len(payload) <= ring.data_bytes:
+            ring.post_task(wid, slot, self._table.epoch, seq, payload, task_len)
+            return
+        size = self._dispatcher.send_index(ring, slot, wid, self._table.epoch, seq, index, self._pool.send)
+        if size > ring.data_bytes:
             self._want_growth(size)
 
     def _dispatch(self) -> None:
-        ring = self._ring
-        assert ring is not None
         table = self._table
         # torch's bound: num_workers * prefetch_factor tasks dispatched and not yet taken.
         # The ring's extra slot is for the batch in the user's hands, never one more task.
@@ -418,12 +423,7 @@ class RingIterator(_BaseDataLoaderIter):
             if task is None:
                 return
             wid, seq, index = task
-            slot = table.dispatch(wid, seq, index)
-            payload, task_len = encode_index(index)
-            if len(payload) <= ring.data_bytes:  # the common case, without the dispatcher's frames
-                ring.post_task(wid, slot, table.epoch, seq, payload, task_len)
-            else:
-                self._submit(slot, wid, seq, index)
+            self._submit(table.dispatch(wid, seq, index), wid, seq, index)
 
     def _next_task(self) -> tuple[int, int, Any] | None:
         """(worker, seq, index) of the epoch's next batch, or None when there is none."""

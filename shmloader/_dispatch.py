@@ -60,14 +60,10 @@ class Dispatcher:
                 return wid
         return None
 
-    def submit(self, ring: Ring, slot: int, wid: int, epoch: int, seq: int, index: Any,
-               send: Callable[[int, tuple[Any, ...]], None]) -> int:
-        """Write the task into ``slot`` and queue it for worker ``wid``; an index too large for
-        the slot goes over the worker's connection (``send``) instead. Returns its size."""
-        payload, task_len = encode_index(index)
-        if len(payload) <= ring.data_bytes:
-            ring.post_task(wid, slot, epoch, seq, payload, task_len)
-            return len(payload)
+    def send_index(self, ring: Ring, slot: int, wid: int, epoch: int, seq: int, index: Any,
+                   send: Callable[[int, tuple[Any, ...]], None]) -> int:
+        """Queue a task whose index does not fit ``slot`` for worker ``wid``: the pickled index
+        goes over the worker's connection (``send``). Returns its size."""
         payload = pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
         hdr = ring.headers[slot]
         hdr[Field.STATE] = IDLE
