@@ -3,6 +3,7 @@
 SHMLOADER_DEBUG=1 builds it with -O0 -g and assertions; SHMLOADER_SANITIZE=1 adds
 AddressSanitizer and UBSan (run Python with LD_PRELOAD=$(gcc -print-file-name=libasan.so)).
 """
+import glob
 import os
 
 from setuptools import Extension, setup
@@ -20,7 +21,7 @@ setup(
     ext_modules=[
         Extension(
             "shmloader._native",
-            sources=["native/_native.c", "native/_sync.c"],
+            sources=sorted(glob.glob("native/*.c")),
             extra_compile_args=compile_args,
             extra_link_args=link_args,
         )

@@ -1,5 +1,6 @@
 /*
- * shmloader._native: the slot header codec (synchronisation: native/_sync.c).
+ * shmloader._native: the slot header codec (synchronisation: native/_sync.c; the read
+ * path of shmloader.share(): native/_share.c).
  *
  * A slot's leaf table lists every array the worker wrote into the slot's data
  * region: dtype code, kind (torch tensor or numpy array), byte offset, byte
@@ -312,6 +313,7 @@ static int add_itemsizes(PyObject *m) {
 
 extern PyMethodDef shmloader_sync_methods[]; /* native/_sync.c */
 extern const int shmloader_sem_stride;
+int shmloader_share_init(PyObject *module); /* native/_share.c */
 
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m = PyModule_Create(&module);
@@ -324,7 +326,7 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddIntConstant(m, "N_KINDS", N_KINDS) < 0 ||
         PyModule_AddIntConstant(m, "TABLE_HEAD", TABLE_HEAD) < 0 ||
         PyModule_AddIntConstant(m, "ENTRY_FIXED", ENTRY_FIXED) < 0 ||
-        add_itemsizes(m) < 0) {
+        add_itemsizes(m) < 0 || shmloader_share_init(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

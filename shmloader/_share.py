@@ -2,17 +2,23 @@
 
 A list (or tuple, or dict) of millions of Python objects is copied page by page into every
 worker as the workers touch reference counts ("copy-on-read"). ``share`` stores each element
-pickled in one anonymous, sealed memory file (``memfd``) and returns a read-only container
-with the same read interface; reading an element unpickles a fresh copy of it (arrays and
+serialized in one anonymous, sealed memory file (``memfd``) and returns a read-only container
+with the same read interface; reading an element builds a fresh copy of it (arrays and
 tensors inside it are views of the shared bytes), so a worker's reads never write to the
 shared pages and its memory stays flat whatever it reads.
+
+An element made only of exact None, bool, int, float, str, bytes, list, tuple and dict (an
+index entry: a path, a label, a size) is stored with ``marshal``, which reads back exactly
+those types, and ``SharedList[i]`` builds it in C (``_native.Items``) without a Python frame.
+Anything else (arrays, tensors, subclasses, a container held twice) is a pickle.
 
 Layout of the file (little-endian)::
 
     header   magic u64 | kind u64 (list, tuple, dict) | n u64 | blob offset u64 | data offset u64 | total u64 |
              elements holding views u64 (0: no read needs the views table)
-    offsets  u64[n + 1]: element i is blob[offsets[i]:offsets[i + 1]] (a protocol-5 pickle)
-    views    u64[n]: how many arrays and tensors element i holds (0: plain ``pickle.loads``)
+    offsets  u64[n + 1]: element i is blob[offsets[i]:offsets[i + 1]]
+    codes    u64[n]: how element i is stored: MARSHAL (``marshal`` version 2), PICKLE (a
+             protocol-5 pickle) or VIEWS (a pickle holding arrays or tensors)
     (dict)   keys u64[n + 1] (key i: blob[keys[i]:keys[i + 1]]), then hashes u64[n] sorted and
              the element index of each, u64[n]: a key is found by binary search on its hash
     blob     the pickles
@@ -33,6 +39,7 @@ import collections.abc
 import fcntl
 import hashlib
 import io
+import marshal
 import mmap
 import operator
 import os
@@ -44,8 +51,12 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
+from . import _native
+
 MAGIC = 0x53484D53_48415245  # "SHMSHARE"
 KINDS: dict[type, int] = {list: 0, tuple: 1, dict: 2}
+MARSHAL, PICKLE, VIEWS = 0, 1, 2  # element codes (MARSHAL is read in C: native/_share.c)
+_MARSHAL_VERSION = 2  # binary floats; no references (plain_value refuses a container held twice)
 _HEADER = 7 * 8
 _ALIGN = 64
 # Once written: no more seals, no size change, no write (through any descriptor or mapping).
@@ -115,21 +126,25 @@ class _Pickler(pickle.Pickler):
         return None
 
 
-def _pickled(values: Iterable[Any], leaves: _Leaves) -> tuple[bytes, array.array[int], array.array[int]]:
-    """The elements' pickles, one after the other; their offsets; how many views each holds.
-    (Arrays of machine ints, not lists: millions of int objects freed here would be reused
-    by forked workers, page by page.)"""
+def _serialized(values: Iterable[Any], leaves: _Leaves) -> tuple[bytes, array.array[int], array.array[int]]:
+    """The elements one after the other, each marshalled or pickled; their offsets; their
+    codes. (Arrays of machine ints, not lists: millions of int objects freed here would be
+    reused by forked workers, page by page.)"""
     buf = io.BytesIO()
     offsets = array.array("Q", [0])
-    views = array.array("Q")
+    codes = array.array("Q")
     pickler = _Pickler(buf, leaves)
     for value in values:
-        before = len(leaves.chunks)
-        pickler.dump(value)
-        pickler.clear_memo()  # every element unpickles on its own
+        if _native.plain_value(value):
+            buf.write(marshal.dumps(value, _MARSHAL_VERSION))
+            codes.append(MARSHAL)
+        else:
+            before = len(leaves.chunks)
+            pickler.dump(value)
+            pickler.clear_memo()  # every element unpickles on its own
+            codes.append(VIEWS if len(leaves.chunks) > before else PICKLE)
         offsets.append(buf.tell())
-        views.append(len(leaves.chunks) - before)
-    return buf.getvalue(), offsets, views
+    return buf.getvalue(), offsets, codes
 
 
 def _key_hash(key_pickle: bytes) -> int:
@@ -138,10 +153,10 @@ def _key_hash(key_pickle: bytes) -> int:
 
 def _write(kind: int, keys: list[Any], values: Iterable[Any]) -> tuple[int, int]:
     leaves = _Leaves()
-    value_blob, value_offsets, views = _pickled(values, leaves)
-    n = len(views)
+    value_blob, value_offsets, codes = _serialized(values, leaves)
+    n = len(codes)
     parts = [np.frombuffer(value_offsets, dtype=np.uint64).astype("<u8"),
-             np.frombuffer(views, dtype=np.uint64).astype("<u8")]
+             np.frombuffer(codes, dtype=np.uint64).astype("<u8")]
     blob = value_blob
     if kind == KINDS[dict]:
         key_pickles = [pickle.dumps(k, protocol=5) for k in keys]
@@ -156,7 +171,7 @@ def _write(kind: int, keys: list[Any], values: Iterable[Any]) -> tuple[int, int]
     blob_off = _HEADER + len(tables)
     data_off = -(-(blob_off + len(blob)) // _ALIGN) * _ALIGN
     total = max(data_off + leaves.size, 1)
-    with_views = len(views) - views.count(0)
+    with_views = codes.count(VIEWS)
     header = np.asarray([MAGIC, kind, n, blob_off, data_off, total, with_views], dtype="<u8").tobytes()
     fd = os.memfd_create("shmloader-share", os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 2))
     try:
@@ -195,7 +210,7 @@ class _Store:
         # ints here would be millions of objects whose reference counts every read writes:
         # the very copy-on-read this module exists to end.)
         self.offsets = _u64s(mm, _HEADER, n + 1)
-        self.views = _u64s(mm, _HEADER + (n + 1) * 8, n)
+        self.codes = _u64s(mm, _HEADER + (n + 1) * 8, n)
         self.tables_end = _HEADER + (2 * n + 1) * 8
         self.bytes = np.frombuffer(mm, dtype=np.uint8)
         self.blob = memoryview(mm)[blob_off:data_off]  # pickle.loads reads it without a copy
@@ -217,7 +232,10 @@ class _Store:
     def element(self, i: int) -> Any:
         offsets = self.offsets
         data = self.blob[int(offsets[i]) : int(offsets[i + 1])]
-        if not self.views[i]:
+        code = self.codes[i]
+        if code == MARSHAL:
+            return marshal.loads(data)
+        if code == PICKLE:
             return pickle.loads(data)  # the C unpickler, nothing to map
         return _Unpickler(bytes(data), self).load()
 
@@ -272,32 +290,24 @@ class _Unpickler(pickle.Unpickler):
         return self._store.view(pid)
 
 
-class SharedList(collections.abc.Sequence):  # type: ignore[type-arg]
+class SharedList(_native.Items, collections.abc.Sequence):  # type: ignore[misc, type-arg]
     """A read-only list (or tuple) in shared memory: ``len``, indexing (negative too), slicing
     (a list of copies), iteration, ``in``, ``index``, ``count``. Each read returns a fresh
-    copy of the element; its arrays and tensors are views of the shared bytes."""
+    copy of the element; its arrays and tensors are views of the shared bytes.
 
-    __slots__ = ("_store", "_tuple", "_n", "_offsets", "_views", "_blob", "_plain")
+    ``shared[i]`` of a marshalled element is answered by ``_native.Items`` in C; the rest
+    (slices, pickled elements, bad indices) by ``_item``."""
+
+    __slots__ = ("_store", "_tuple")
 
     def __init__(self, store: _Store, tuple_: bool = False) -> None:
         self._store = store
         self._tuple = tuple_
-        # The read path's tables, one attribute away (a read is a few hundred ns).
-        self._n, self._offsets, self._views, self._blob = store.n, store.offsets, store.views, store.blob
-        # No element holds an array or tensor (an index of paths and labels): a read never
-        # looks at the views table, one cache miss fewer on a random read.
-        self._plain = store.with_views == 0
+        blob = store.blob_off
+        super().__init__(store.mm, store.n, _HEADER, _HEADER + (store.n + 1) * 8, blob, store.data_off - blob)
 
-    def __len__(self) -> int:
-        return self._n
-
-    def __getitem__(self, i: Any) -> Any:
-        if type(i) is int and 0 <= i < self._n and (self._plain or not self._views[i]):  # the common case, inline
-            offsets = self._offsets
-            return pickle.loads(self._blob[offsets[i] : offsets[i + 1]])
+    def _item(self, i: Any) -> Any:
         store = self._store
-        if type(i) is int and 0 <= i < store.n:
-            return store.element(i)
         if isinstance(i, slice):
             items = [store.element(j) for j in range(*i.indices(store.n))]
             return tuple(items) if self._tuple else items

@@ -3,6 +3,8 @@ by torch's and shmloader's workers under every start method, leaving nothing beh
 
 from __future__ import annotations
 
+import collections
+import enum
 import math
 import os
 import pathlib
@@ -22,11 +24,17 @@ from torch.utils.data import Dataset
 
 import shmloader
 
+class Color(enum.IntEnum):  # an int subclass: marshal would read it back as an int
+    RED = 1
+    BLUE = 2
+
+
 LEAVES = (
     st.none() | st.booleans() | st.integers() | st.integers(min_value=-(2**200), max_value=2**200)
     | st.floats(allow_nan=True) | st.text(max_size=20) | st.binary(max_size=20)
     | st.lists(st.integers(-1000, 1000), max_size=6).map(lambda v: np.asarray(v, dtype=np.int32))
     | st.lists(st.floats(-1e6, 1e6, width=32), max_size=6).map(lambda v: torch.tensor(v, dtype=torch.float32))
+    | st.binary(max_size=8).map(bytearray) | st.sampled_from(list(Color)) | st.frozensets(st.integers(0, 9), max_size=3)
 )
 NESTED = st.recursive(
     LEAVES,
@@ -46,7 +54,7 @@ def equal(a: Any, b: Any) -> bool:
         return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     if isinstance(a, float):
         return (math.isnan(a) and math.isnan(b)) or a == b
-    if isinstance(a, (list, tuple)):
+    if isinstance(a, (list, tuple)):  # (and their subclasses: same type checked above)
         return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
         return list(a) == list(b) and all(equal(a[k], b[k]) for k in a)
@@ -78,6 +86,28 @@ def test_a_shared_dict_reads_back_equal(mapping: dict[Any, Any]) -> None:
     assert shared.get("not a key \x00", 7) == 7
     with pytest.raises(KeyError):
         shared["not a key \x00"]
+
+
+def test_each_element_comes_back_with_its_own_types_and_sharing() -> None:
+    # Plain elements are marshalled and read in C; these must not be (marshal would change
+    # their type or copy a shared container), and come back exactly as pickle keeps them.
+    inner = [1, 2]
+    deep: list[Any] = []
+    for _ in range(100):
+        deep = [deep]
+    recursive: list[Any] = []
+    recursive.append(recursive)
+    odd = [bytearray(b"ab"), Color.RED, collections.OrderedDict(a=1), {"k": Color.BLUE}, (inner, inner),
+           {"s": frozenset({1})}, deep, recursive, -0.0, float("nan"), 2**100, "\udc80", b"\x00", True, None]
+    shared = shmloader.share(odd)
+    assert equal(list(shared[:6]), odd[:6]) and equal(shared[6], deep) and type(shared[1]) is Color
+    pair = shared[4]
+    assert pair[0] is pair[1]  # one list, as pickle keeps it
+    again = shared[7]
+    assert again[0] is again
+    assert math.copysign(1, shared[8]) == -1 and math.isnan(shared[9]) and shared[10] == 2**100
+    assert shared[11] == "\udc80" and shared[12] == b"\x00" and shared[13] is True and shared[14] is None
+    assert all(shared[i] is not shared[i] for i in (0, 2))  # fresh copies, never the same object
 
 
 def test_tuples_stay_tuples_and_arrays_are_read_only_views() -> None:

@@ -14,6 +14,10 @@ Each round checks what the functions promise, not only that they survive:
   raise TypeError or ValueError, never write past ``limit``;
 - ``pack_ints`` packs a list of exact ints that fit int64, and refuses anything else (bools,
   floats, tuples, ints out of range) with None;
+- ``Items`` (the shared list's reader) refuses tables outside its buffer with ValueError; over
+  random offset and code tables, ``items[i]`` returns the marshalled element, raises
+  ValueError for offsets outside the blob, or hands the key to ``_item``; ``plain_value``
+  agrees with a Python model on random nested values;
 - the synchronisation calls (``sem_*``, ``load_acquire``, ``store_*``, ``collect``,
   ``post_task``, ``publish``) refuse offsets outside the buffer or misaligned, with
   ValueError, and leave the bytes around their target untouched.
@@ -21,8 +25,10 @@ Each round checks what the functions promise, not only that they survive:
 
 from __future__ import annotations
 
+import collections
 import importlib.machinery
 import importlib.util
+import marshal
 import mmap
 import random
 import struct
@@ -216,6 +222,84 @@ def fuzz_pack(native: Any, rng: random.Random, g: Guarded) -> None:
         assert packed is None, (items, packed)
 
 
+def plain_model(v: Any, depth: int = 0, seen: list[Any] | None = None) -> bool:
+    """What ``plain_value`` promises, in Python (same depth and container limits, 64 each)."""
+    seen = [] if seen is None else seen
+    if v is None or type(v) in (bool, int, float, str, bytes):
+        return True
+    if type(v) not in (list, tuple, dict) or depth >= 64 or any(s is v for s in seen) or len(seen) == 64:
+        return False
+    seen.append(v)
+    parts = [p for kv in v.items() for p in kv] if type(v) is dict else list(v)
+    return all(plain_model(p, depth + 1, seen) for p in parts)
+
+
+def random_value(rng: random.Random, depth: int = 0, pool: list[Any] | None = None) -> Any:
+    pool = [] if pool is None else pool
+    r = rng.random()
+    if depth > 3 or r < 0.4:
+        return rng.choice([None, True, 0, -(2**70), 1.5, float("nan"), "", "\udc80 x", b"\x00", bytearray(b"a"),
+                           collections.OrderedDict(), frozenset(), 1j])
+    if pool and r < 0.5:
+        return rng.choice(pool)  # a container met twice
+    if r < 0.55:
+        deep: list[Any] = []
+        for _ in range(rng.choice([62, 63, 64, 65])):
+            deep = [deep]
+        return deep
+    items = [random_value(rng, depth + 1, pool) for _ in range(rng.randrange(4))]
+    out: Any = rng.choice([list, tuple, lambda xs: {i: x for i, x in enumerate(xs)}])(items)
+    pool.append(out)
+    return out
+
+
+def fuzz_items(native: Any, rng: random.Random, g: Guarded) -> None:
+    value = random_value(rng)
+    assert native.plain_value(value) == plain_model(value), value
+
+    class Reader(native.Items):  # type: ignore[misc, name-defined]
+        def _item(self, key: Any) -> Any:
+            return ("slow", key)
+
+    values = [rng.choice([0, -1, "x", [1, (2, 3)], {"a": b"b"}, 2.5]) for _ in range(rng.randrange(1, 9))]
+    blobs = [marshal.dumps(v, 2) for v in values]
+    bounds = [0]
+    for b in blobs:
+        bounds.append(bounds[-1] + len(b))
+    n = len(values)
+    offsets_at, codes_at = SEMS, SEMS + 8 * (n + 1)
+    blob_at = codes_at + 8 * n
+    offsets = [rng.choice([x, x, x, 2**64 - 1, bounds[-1] + 1]) for x in bounds]
+    codes = [rng.choice([0, 0, 1, 2**63]) for _ in range(n)]
+    g.view[offsets_at:blob_at] = struct.pack(f"<{2 * n + 1}Q", *offsets, *codes)
+    g.view[blob_at : blob_at + bounds[-1]] = b"".join(blobs)
+    tables = [g.view, n, offsets_at, codes_at, blob_at, bounds[-1]]
+    moved = rng.random() < 0.3
+    if moved:  # a table out of place (one that still lies inside the buffer reads wrong bytes: no check of what)
+        k = rng.randrange(1, 6)
+        tables[k] = rng.choice([-8, 1, SIZE, SIZE - 8, 2**62, tables[k] + 4])
+    try:
+        reader = Reader(*tables)
+    except (ValueError, OverflowError):
+        g.check("Items()")
+        return
+    for _ in range(8):
+        key = rng.choice([rng.randrange(-n - 2, n + 2), 2**70, -(2**70), True, "k", slice(0, 2)])
+        try:
+            got = reader[key]
+        except (ValueError, EOFError) as e:
+            assert moved or "lies outside" in str(e), e
+            continue
+        if moved:
+            continue
+        i = key + n if type(key) is int and key < 0 else key
+        if type(key) is int and 0 <= i < n and codes[i] == 0:
+            assert offsets[i] == bounds[i] and offsets[i + 1] == bounds[i + 1] and got == values[i], (key, got)
+        else:
+            assert got == ("slow", key), (key, got)
+    g.check("Items[]")
+
+
 def main() -> None:
     path, seed, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     native = load(path)
@@ -223,7 +307,7 @@ def main() -> None:
     g = Guarded()
     for k in range(0, SEMS, native.SEM_STRIDE):
         native.sem_init(g.view, k)
-    kinds = [fuzz_decode, fuzz_encode, fuzz_sync, fuzz_pack]
+    kinds = [fuzz_decode, fuzz_encode, fuzz_sync, fuzz_pack, fuzz_items]
     for i in range(count):
         rng.choice(kinds)(native, rng, g)
     with open("/proc/self/maps") as maps:

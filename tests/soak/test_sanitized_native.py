@@ -35,8 +35,7 @@ def sanitized(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("asan") / ("_native" + sysconfig.get_config_var("EXT_SUFFIX"))
     flags = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g", "-O1"]
     cmd = ["gcc", "-std=c11", "-shared", "-fPIC", "-pthread", "-Wall", "-Wextra", "-Wno-unused-parameter", *flags,
-           f"-I{sysconfig.get_paths()['include']}", str(ROOT / "native/_native.c"), str(ROOT / "native/_sync.c"),
-           "-o", str(out)]
+           f"-I{sysconfig.get_paths()['include']}", *map(str, sorted(ROOT.glob("native/*.c"))), "-o", str(out)]
     built = subprocess.run(cmd, capture_output=True, text=True)
     assert built.returncode == 0, built.stderr
     return out
