@@ -184,31 +184,25 @@ PyDoc_STRVAR(decode_table_doc,
 "(code, kind, offset, nbytes, shape) tuples; raises ValueError naming the first\n"
 "violation.");
 
-static PyObject *decode_table(PyObject *self, PyObject *args) {
-    Py_buffer view;
-    Py_ssize_t offset, length;
-    long long data_limit;
-    if (!PyArg_ParseTuple(args, "y*nnL", &view, &offset, &length, &data_limit)) return NULL;
-    PyObject *out = NULL;
-    if (offset < 0 || length < TABLE_HEAD || offset > view.len || length > view.len - offset || data_limit < 0) {
-        PyErr_Format(PyExc_ValueError, "leaf table [%zd, +%zd) outside buffer of %zd bytes",
-                     offset, length, view.len);
-        goto done;
+/* The leaves of the table at base[0:length] (validated; see decode_table), or NULL with ValueError. */
+static PyObject *decode_entries(const char *base, Py_ssize_t length, long long data_limit) {
+    if (length < TABLE_HEAD) {
+        PyErr_Format(PyExc_ValueError, "leaf table of %zd bytes is shorter than its head", length);
+        return NULL;
     }
-    const char *base = (const char *)view.buf + offset;
     uint32_t head[2];
     memcpy(head, base, sizeof head);
     if (head[0] != TABLE_MAGIC) {
         PyErr_Format(PyExc_ValueError, "leaf table magic is 0x%08x, expected 0x%08x", head[0], TABLE_MAGIC);
-        goto done;
+        return NULL;
     }
     Py_ssize_t count = head[1];
     if (count > (length - TABLE_HEAD) / ENTRY_FIXED) {
         PyErr_Format(PyExc_ValueError, "leaf table claims %zd leaves but holds %zd bytes", count, length);
-        goto done;
+        return NULL;
     }
-    out = PyList_New(count);
-    if (out == NULL) goto done;
+    PyObject *out = PyList_New(count);
+    if (out == NULL) return NULL;
     Py_ssize_t pos = TABLE_HEAD;
     for (Py_ssize_t i = 0; i < count; i++) {
         entry_head h;
@@ -248,13 +242,92 @@ static PyObject *decode_table(PyObject *self, PyObject *args) {
         PyList_SET_ITEM(out, i, item);
         pos += need;
     }
-    goto done;
+    return out;
 truncated:
     PyErr_Format(PyExc_ValueError, "leaf table truncated: %zd leaves do not fit in %zd bytes", count, length);
 fail:
-    Py_CLEAR(out);
-done:
+    Py_DECREF(out);
+    return NULL;
+}
+
+static PyObject *decode_table(PyObject *self, PyObject *args) {
+    Py_buffer view;
+    Py_ssize_t offset, length;
+    long long data_limit;
+    if (!PyArg_ParseTuple(args, "y*nnL", &view, &offset, &length, &data_limit)) return NULL;
+    PyObject *out = NULL;
+    if (offset < 0 || length < TABLE_HEAD || offset > view.len || length > view.len - offset || data_limit < 0) {
+        PyErr_Format(PyExc_ValueError, "leaf table [%zd, +%zd) outside buffer of %zd bytes",
+                     offset, length, view.len);
+    } else {
+        out = decode_entries((const char *)view.buf + offset, length, data_limit);
+    }
     PyBuffer_Release(&view);
+    return out;
+}
+
+/* The header fields read_slot uses (shmloader/_layout.py's Field; checked there at import). */
+#define F_TABLE_OFF 6
+#define F_TABLE_LEN 7
+#define F_PICKLED_OFF 8
+#define F_PICKLED_LEN 9
+#define N_HEADER_FIELDS 16
+
+PyDoc_STRVAR(read_slot_doc,
+"read_slot($module, ring, header, memory, data, cap, lone, /)\n"
+"--\n\n"
+"A published slot's leaves. The leaf table and pickled skeleton that the header at\n"
+"`ring[header:]` (int64 fields) names must lie inside the `cap`-byte data\n"
+"region at `memory[data:]` (the ring itself, or the batch's overflow mapping). Returns\n"
+"(leaves, lone): the decoded table (as decode_table) and whether the skeleton is exactly\n"
+"`lone` (a batch that is its one leaf). Raises ValueError naming what is wrong.");
+
+static PyObject *read_slot(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "read_slot takes 6 arguments");
+        return NULL;
+    }
+    /* ring, header, memory, data, cap, lone */
+    Py_buffer hview, dview;
+    if (PyObject_GetBuffer(args[0], &hview, PyBUF_SIMPLE) < 0) return NULL;
+    if (PyObject_GetBuffer(args[2], &dview, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&hview);
+        return NULL;
+    }
+    PyObject *out = NULL;
+    Py_ssize_t header = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t data = PyLong_AsSsize_t(args[3]);
+    long long cap = PyLong_AsLongLong(args[4]);
+    char *lone;
+    Py_ssize_t lone_len;
+    if (PyErr_Occurred() || PyBytes_AsStringAndSize(args[5], &lone, &lone_len) < 0) goto done;
+    if (header < 0 || header % 8 != 0 || header > hview.len || N_HEADER_FIELDS * 8 > hview.len - header) {
+        PyErr_Format(PyExc_ValueError, "header at %zd outside the buffer", header);
+        goto done;
+    }
+    if (data < 0 || cap < 0 || data > dview.len || cap > dview.len - data) {
+        PyErr_Format(PyExc_ValueError, "data region [%zd, +%lld) outside the buffer", data, cap);
+        goto done;
+    }
+    int64_t f[N_HEADER_FIELDS];
+    memcpy(f, (const char *)hview.buf + header, sizeof f);
+    static const char *const what[2] = {"leaf table", "pickled skeleton or error"};
+    for (int k = 0; k < 2; k++) {
+        int64_t off = f[k ? F_PICKLED_OFF : F_TABLE_OFF], len = f[k ? F_PICKLED_LEN : F_TABLE_LEN];
+        if (off < 0 || len < 0 || off > cap || len > cap - off) {
+            PyErr_Format(PyExc_ValueError, "%s [%lld, +%lld) lies outside the slot's %lld-byte data region",
+                         what[k], (long long)off, (long long)len, cap);
+            goto done;
+        }
+    }
+    const char *region_base = (const char *)dview.buf + data;
+    PyObject *leaves = decode_entries(region_base + f[F_TABLE_OFF], (Py_ssize_t)f[F_TABLE_LEN], cap);
+    if (leaves == NULL) goto done;
+    int is_lone = f[F_PICKLED_LEN] == lone_len && memcmp(region_base + f[F_PICKLED_OFF], lone, (size_t)lone_len) == 0;
+    out = Py_BuildValue("(NO)", leaves, is_lone ? Py_True : Py_False);
+done:
+    PyBuffer_Release(&dview);
+    PyBuffer_Release(&hview);
     return out;
 }
 
@@ -288,6 +361,7 @@ static PyMethodDef methods[] = {
     {"pack_ints", pack_ints, METH_O, pack_ints_doc},
     {"encode_table", encode_table, METH_VARARGS, encode_table_doc},
     {"decode_table", decode_table, METH_VARARGS, decode_table_doc},
+    {"read_slot", (PyCFunction)(void (*)(void))read_slot, METH_FASTCALL, read_slot_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -326,6 +400,9 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddIntConstant(m, "N_KINDS", N_KINDS) < 0 ||
         PyModule_AddIntConstant(m, "TABLE_HEAD", TABLE_HEAD) < 0 ||
         PyModule_AddIntConstant(m, "ENTRY_FIXED", ENTRY_FIXED) < 0 ||
+        PyModule_AddIntConstant(m, "N_HEADER_FIELDS", N_HEADER_FIELDS) < 0 ||
+        PyModule_AddObject(m, "READ_SLOT_FIELDS", Py_BuildValue("(iiii)", F_TABLE_OFF, F_TABLE_LEN, F_PICKLED_OFF,
+                                                                  F_PICKLED_LEN)) < 0 ||
         add_itemsizes(m) < 0 || shmloader_share_init(m) < 0) {
         Py_DECREF(m);
         return NULL;

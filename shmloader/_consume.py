@@ -30,6 +30,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import pickle
 import time
@@ -206,14 +207,14 @@ class RingIterator(_BaseDataLoaderIter):
                 continue
             if result is not None and result is not _COPY:
                 return result
-            self._check()
             stager = self._stager
             if result is _COPY or (stager is not None and stager.copying and not self._table.free):
                 # Every slot is copying or staged (or the epoch ends with copies running): only
                 # a copy's completion moves on. Waited for without blocking an event loop.
+                self._check()
                 yield _COPY
                 continue
-            yield _READY
+            yield _READY  # whoever waits checks dead workers and the timeout before it blocks
 
     def _round(self) -> Any:
         """One pass that never waits: take back returned slots, collect published ones, grant
@@ -409,7 +410,8 @@ class RingIterator(_BaseDataLoaderIter):
         if len(payload) <= ring.data_bytes:
             ring.post_task(wid, slot, self._table.epoch, seq, payload, task_len)
             return
-        size = self._dispatcher.send_index(ring, slot, wid, self._table.epoch, seq, index, self._pool.send)
+        size = self._dispatcher.send_index(ring, slot, wid, self._table.epoch, seq, index,
+                                           functools.partial(self._pool.send, dead_ok=True))
         if size > ring.data_bytes:
             self._want_growth(size)
 
@@ -605,9 +607,10 @@ class RingIterator(_BaseDataLoaderIter):
         if self.pinned:
             _device.register_host(ring.mm, g.total_bytes)
         self._ring = ring  # a worker replaced from here on inherits the new ring
+        self._check()  # workers that died are replaced first (their replacements inherit the new ring)
         procs = list(self._pool.procs)
         for wid in range(self._num_workers):
-            self._pool.send(wid, ("ring", -1, ring.spec))
+            self._pool.send(wid, ("ring", -1, ring.spec), dead_ok=True)  # a replacement inherits the new ring
             old.push_task(wid, RESIZE_TASK)
         waiting = set(range(self._num_workers))
         while True:
@@ -822,6 +825,7 @@ class RingIterator(_BaseDataLoaderIter):
             assert self._ring is not None
             if self._yield_for_ready():
                 return
+            self._check()  # only before sleeping: a batch that came while yielding needs no waitpid
             if self._ring.take_ready(CHECK_S):  # a signal's handler (Ctrl-C) raises through it
                 self._banked += 1
         else:
@@ -888,6 +892,7 @@ class RingIterator(_BaseDataLoaderIter):
         loop = asyncio.get_running_loop()
         ring = None
         if request is _READY:
+            self._check()
             ring = self._ring
             assert ring is not None
             ring.want_doorbell(True)  # workers ring the doorbell only while we wait on it

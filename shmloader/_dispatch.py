@@ -61,7 +61,7 @@ class Dispatcher:
         return None
 
     def send_index(self, ring: Ring, slot: int, wid: int, epoch: int, seq: int, index: Any,
-                   send: Callable[[int, tuple[Any, ...]], None]) -> int:
+                   send: Callable[[int, tuple[Any, ...]], object]) -> int:
         """Queue a task whose index does not fit ``slot`` for worker ``wid``: the pickled index
         goes over the worker's connection (``send``). Returns its size."""
         payload = pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)

@@ -67,6 +67,9 @@ class Field:
 
 
 N_FIELDS: Final = 16
+# The fields _native.read_slot reads (fixed in native/_native.c): checked here, once.
+assert (Field.TABLE_OFF, Field.TABLE_LEN, Field.PICKLED_OFF, Field.PICKLED_LEN) == _native.READ_SLOT_FIELDS
+assert N_FIELDS == _native.N_HEADER_FIELDS
 
 
 class Counter:

@@ -31,8 +31,7 @@ from ._ring import Ring
 _TENSOR = int(Kind.TENSOR)
 _U8 = np.dtype(np.uint8)
 _SLOT, _OVERFLOW = int(Region.SLOT), int(Region.OVERFLOW)
-_REGION, _TABLE_OFF, _TABLE_LEN = Field.REGION, Field.TABLE_OFF, Field.TABLE_LEN
-_PICKLED_OFF, _PICKLED_LEN = Field.PICKLED_OFF, Field.PICKLED_LEN
+_REGION = Field.REGION
 
 
 class Leases:
@@ -152,22 +151,28 @@ def read_batch(ring: Ring, slot: int, convert: LeafConverter | None = None,
     overflow memory). Returns (batch, base, leaf bytes): each leaf is a view of that memory
     that keeps ``base`` alive, or ``convert(view, kind)`` of it when given (a copy, a device
     transfer), which then decides whether the memory is still viewed."""
-    hdr = ring.headers[slot]
+    region = ring.headers[slot][_REGION]
     if where is None:
-        if hdr[_REGION] != _SLOT:
-            raise CorruptSlotError(f"slot {slot}: header says region {hdr[_REGION]}, expected SLOT")
+        if region != _SLOT:
+            raise CorruptSlotError(f"slot {slot}: header says region {region}, expected SLOT")
         mm, data_off, cap = ring.mm, ring.data_offsets[slot], ring.geometry.data_bytes
     else:
-        if hdr[_REGION] != _OVERFLOW:
-            raise CorruptSlotError(f"slot {slot}: header says region {hdr[_REGION]}, expected OVERFLOW")
+        if region != _OVERFLOW:
+            raise CorruptSlotError(f"slot {slot}: header says region {region}, expected OVERFLOW")
         mm, data_off, cap = where
-    table_off, table_len = _span(hdr, _TABLE_OFF, _TABLE_LEN, cap, "leaf table", slot)
-    pickled_off, pickled_len = _span(hdr, _PICKLED_OFF, _PICKLED_LEN, cap, "pickled skeleton or error", slot)
-    skeleton = mm[data_off + pickled_off : data_off + pickled_off + pickled_len]
-    try:
-        table = _native.decode_table(mm, data_off + table_off, table_len, cap)
+    try:  # the header's spans, the leaf table, and whether the batch is one leaf: one call
+        table, lone = _native.read_slot(ring.mm, ring.header_offsets[slot], mm, data_off, cap, LONE_LEAF)
     except ValueError as exc:
         raise CorruptSlotError(f"slot {slot}: {exc}") from None
+    if lone and len(table) == 1:
+        code, kind, off, nbytes, shape = table[0]
+        np_dtype = NP_DTYPES[code]
+        if np_dtype is not None and nbytes and len(shape) <= _NUMPY_MAX_NDIM:
+            # The batch is one leaf (a tensor, most often): its own fresh array is the base
+            # the lease watches (what every view of the batch keeps alive).
+            arr = np.ndarray(shape, np_dtype, mm, data_off + off)
+            leaf = torch.from_numpy(arr) if kind == _TENSOR else arr
+            return (leaf if convert is None else convert(leaf, kind)), arr, nbytes
     # A fresh array over the data region: every leaf views it (and nothing else), so it
     # lives exactly as long as the batch's last view (the lease's weak reference is on it).
     base = np.ndarray((cap,), _U8, mm, data_off)
@@ -186,8 +191,9 @@ def read_batch(ring: Ring, slot: int, convert: LeafConverter | None = None,
             except ValueError as exc:
                 raise CorruptSlotError(f"slot {slot}: {exc}") from None
         leaves.append(leaf if convert is None else convert(leaf, kind))
-    if skeleton == LONE_LEAF and len(leaves) == 1:
+    if lone and len(leaves) == 1:
         return leaves[0], base, total
+    skeleton = read_pickled(ring, slot, where)
     try:
         batch = _LeafUnpickler(skeleton, leaves).load()
     except (ImportError, AttributeError, CorruptSlotError):

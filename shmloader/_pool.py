@@ -97,17 +97,34 @@ class WorkerPool:
 
     def send_memory(self, wid: int, slot: int, size: int, fd: int = -1) -> None:
         """Answer ``wid``'s request for overflow memory: ``size`` bytes at ``fd``; 0: drop the
-        batch; -1: send it pickled over the connection instead."""
-        self.send(wid, ("memory", slot, size))
-        if size > 0:
-            reduction.send_handle(self.conns[wid], fd, self.procs[wid].pid)
+        batch; -1: send it pickled over the connection instead. A worker that died meanwhile
+        is left to the consumer's next liveness check (its tasks are dispatched again)."""
+        if self.send(wid, ("memory", slot, size), dead_ok=True) and size > 0:
+            try:
+                reduction.send_handle(self.conns[wid], fd, self.procs[wid].pid)
+            except OSError as error:
+                self._dead_or_raise(wid, error)
 
-    def send(self, wid: int, msg: tuple[Any, ...]) -> None:
+    def send(self, wid: int, msg: tuple[Any, ...], dead_ok: bool = False) -> bool:
+        """Send ``msg`` to worker ``wid``. If it died: with ``dead_ok``, False (the consumer's
+        next liveness check replaces it and dispatches its tasks again); otherwise
+        WorkerDiedError."""
         try:
             self.conns[wid].send(msg)
-        except (BrokenPipeError, ConnectionResetError, OSError):
-            self.check_alive()
-            raise
+        except OSError as error:
+            if not dead_ok:
+                self.check_alive()
+                raise
+            self._dead_or_raise(wid, error)
+            return False
+        return True
+
+    def _dead_or_raise(self, wid: int, error: OSError) -> None:
+        """The connection to ``wid`` broke (``error``): it is exiting (it closed its end), so
+        wait for it; one still alive after that is an error, raised."""
+        self.procs[wid].join(timeout=5.0)
+        if self.procs[wid].exitcode is None:
+            raise error
 
     def stop(self, ring: Any = None) -> None:
         """Ask every worker to stop, wait briefly, then terminate stragglers. Idempotent."""

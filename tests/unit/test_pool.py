@@ -1,9 +1,13 @@
-"""WorkerPool.stop reaps every worker, whenever it exits."""
+"""WorkerPool.stop reaps every worker, whenever it exits; a message to a worker that died is
+left to the consumer's recovery where it may be."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+from shmloader._errors import WorkerDiedError
 from shmloader._pool import WorkerPool
 
 
@@ -46,3 +50,41 @@ def test_stop_reaps_a_worker_that_exits_after_its_timed_join() -> None:
     pool.stopped = False
     pool.stop()
     assert all(p.reaped for p in pool.procs)  # before the fix: exitcode 0, never joined, two pipes open
+
+
+class Exited:
+    """A worker process that has exited (its end of the connection closed)."""
+
+    pid = -1
+    exitcode = -9
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+class Alive(Exited):
+    exitcode = None  # type: ignore[assignment]
+
+
+class Broken(Conn):
+    def send(self, msg: Any) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def pool_of(proc: Any) -> WorkerPool:
+    pool = object.__new__(WorkerPool)
+    pool.procs = [proc]
+    pool.conns = [Broken()]
+    pool.stopped = False
+    return pool
+
+
+def test_a_message_to_a_dead_worker_is_left_to_recovery_or_raised() -> None:
+    # dead_ok: the consumer's next liveness check replaces the worker and dispatches its tasks
+    # again (an index or a memory grant sent as it died); otherwise WorkerDiedError.
+    assert pool_of(Exited()).send(0, ("index", 0, b""), dead_ok=True) is False
+    pool_of(Exited()).send_memory(0, 0, 4096, fd=-1)  # nothing raised, no descriptor sent
+    with pytest.raises(WorkerDiedError, match="killed by signal SIGKILL"):
+        pool_of(Exited()).send(0, ("index", 0, b""))
+    with pytest.raises(BrokenPipeError):  # alive with a broken connection: not a death to recover from
+        pool_of(Alive()).send(0, ("index", 0, b""), dead_ok=True)
