@@ -7,6 +7,8 @@ SEM_STRIDE: int
 N_KINDS: int
 TABLE_HEAD: int
 ENTRY_FIXED: int
+N_HEADER_FIELDS: int
+READ_SLOT_FIELDS: tuple[int, int, int, int]
 ITEMSIZES: tuple[int, ...]
 
 def encode_table(
@@ -15,6 +17,9 @@ def encode_table(
 def decode_table(
     buffer: Any, offset: int, length: int, data_limit: int
 ) -> list[tuple[int, int, int, int, tuple[int, ...]]]: ...
+def read_slot(
+    ring: Any, header: int, memory: Any, data: int, cap: int, lone: bytes, /
+) -> tuple[list[tuple[int, int, int, int, tuple[int, ...]]], bool]: ...
 def pack_ints(index: Any, /) -> bytes | None: ...
 def sem_init(buffer: Any, offset: int, /) -> None: ...
 def sem_post(buffer: Any, offset: int, /) -> None: ...
