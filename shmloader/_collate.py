@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import io
+import math
 import operator
 import pickle
 from typing import Any, Callable
@@ -30,6 +31,8 @@ from ._layout import (CODE_OF_DTYPE, CODE_OF_NP_DTYPE, LEAF_ALIGN, LONE_LEAF, ST
                       TYPED_STORAGE, Kind, round_up, table_bytes, view_leaf)
 
 Leaf = tuple[int, int, int, tuple[int, ...]]  # (dtype code, kind, offset, shape)
+_TENSOR, _NUMPY = int(Kind.TENSOR), int(Kind.NUMPY)
+_TENSOR_DTYPES = {dtype: (code, dtype.itemsize) for dtype, code in CODE_OF_DTYPE.items()}
 _VIEW_CACHE = 256  # leaf views a writer keeps (a batch with many leaves, shapes that vary: start over)
 
 
@@ -40,6 +43,8 @@ class SlotWriter:
         self._mm = mm
         self._bytes = None if mm is None else np.frombuffer(mm, dtype=np.uint8)
         self._views: dict[tuple[int, int, int, tuple[int, ...]], Any] = {}  # (offset, code, kind, shape) -> view
+        # (data offset, bytes used, leaf) -> layout of a one-leaf batch's skeleton and table (_finish_lone)
+        self._lone: dict[tuple[int, int, Leaf], tuple[int, int, int, int, bytes]] = {}
         self.begin(0, 0)
 
     def begin(self, data_off: int, capacity: int) -> None:
@@ -51,26 +56,14 @@ class SlotWriter:
         self._ids: dict[int, int] = {}
         self._keep: list[object] = []
 
-    def _place(self, nbytes: int) -> int | None:
-        """Offset for ``nbytes`` more bytes, or None once the batch no longer fits."""
-        off = round_up(self.used, LEAF_ALIGN)
+    def _leaf(self, code: int, kind: int, itemsize: int, shape: tuple[int, ...]) -> Any:
+        """An uninitialised leaf in the slot (in private memory once the batch overflowed)."""
+        nbytes = itemsize * math.prod(shape)
+        off = -(-self.used // LEAF_ALIGN) * LEAF_ALIGN
         self.used = off + nbytes
         if self.used > self.capacity:
             self.fits = False
-        return off if self.fits else None
-
-    def _record(self, obj: object, code: int, kind: Kind, off: int, shape: tuple[int, ...]) -> int:
-        leaf_id = len(self.leaves)
-        self.leaves.append((code, int(kind), off, shape))
-        self._ids[id(obj)] = leaf_id
-        self._keep.append(obj)
-        return leaf_id
-
-    def _leaf(self, code: int, kind: Kind, itemsize: int, shape: tuple[int, ...]) -> Any:
-        """An uninitialised leaf in the slot (in private memory once the batch overflowed)."""
-        nbytes = itemsize * _numel(shape)
-        off = self._place(nbytes)
-        if off is None:
+        if not self.fits:
             out = view_leaf(np.empty(nbytes, dtype=np.uint8), code, kind, shape)
         else:
             # A slot gets the same layout batch after batch: its views are made once. Only the
@@ -83,15 +76,18 @@ class SlotWriter:
                 if len(self._views) >= _VIEW_CACHE:
                     self._views.clear()
                 out = self._views[key] = view_leaf(self._bytes[start : start + nbytes], code, kind, shape)
-        self._record(out, code, kind, self.used - nbytes, shape)
+        self._ids[id(out)] = len(self.leaves)
+        self.leaves.append((code, kind, off, shape))
+        self._keep.append(out)
         return out
 
     def tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        out: torch.Tensor = self._leaf(CODE_OF_DTYPE[dtype], Kind.TENSOR, dtype.itemsize, shape)
+        code, itemsize = _TENSOR_DTYPES[dtype]
+        out: torch.Tensor = self._leaf(code, _TENSOR, itemsize, shape)
         return out
 
     def array(self, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
-        out: np.ndarray[Any, Any] = self._leaf(CODE_OF_NP_DTYPE[dtype], Kind.NUMPY, dtype.itemsize, shape)
+        out: np.ndarray[Any, Any] = self._leaf(CODE_OF_NP_DTYPE[dtype], _NUMPY, dtype.itemsize, shape)
         return out
 
     def leaf_id(self, obj: object) -> int | None:
@@ -143,8 +139,11 @@ class SlotWriter:
         Returns the bytes the batch needs; when that exceeds the slot's capacity
         nothing usable was written and the caller reports the size.
         """
-        if self.leaves and batch is self._keep[0] and len(self.leaves) == 1:
-            skeleton: bytes | memoryview = LONE_LEAF  # the common single-tensor batch
+        leaves = self.leaves
+        if len(leaves) == 1 and batch is self._keep[0]:  # the common single-tensor batch
+            if not dataset_state and self.fits:
+                return self._finish_lone(leaves[0])
+            skeleton: bytes | memoryview = LONE_LEAF
         else:
             buf = io.BytesIO()
             _LeafPickler(buf, self).dump(batch)
@@ -172,6 +171,33 @@ class SlotWriter:
         return needed
 
 
+    def _finish_lone(self, leaf: Leaf) -> int:
+        """``finish`` for a batch that is one leaf, without a dataset state: the skeleton and
+        the leaf table are the same batch after batch, so they are laid out once per slot and
+        leaf, and written as one block."""
+        key = (self.data_off, self.used, leaf)
+        layout = self._lone.get(key)
+        if layout is None:
+            if len(self._lone) >= _VIEW_CACHE:
+                self._lone.clear()
+            pickled_off = round_up(self.used, 8)
+            table_off = round_up(pickled_off + len(LONE_LEAF), 8)
+            table = bytearray(table_bytes([leaf[3]]))
+            _native.encode_table(table, 0, len(table), [leaf])
+            block = LONE_LEAF + bytes(table_off - pickled_off - len(LONE_LEAF)) + table
+            layout = self._lone[key] = (pickled_off, table_off, len(table), round_up(table_off + len(table), 8), block)
+        self.pickled_off, self.table_off, self.table_len, needed, block = layout
+        self.pickled_len = len(LONE_LEAF)
+        self.dataset_state_off, self.dataset_state_len = needed, 0
+        if needed > self.capacity:
+            self.fits = False
+            return needed
+        start = self.data_off + self.pickled_off
+        self._mm[start : start + len(block)] = block
+        self._keep.clear()
+        return needed
+
+
 class _LeafPickler(pickle.Pickler):
     def __init__(self, file: io.BytesIO, writer: SlotWriter) -> None:
         super().__init__(file, protocol=5)  # LONE_LEAF assumes protocol 5
@@ -188,13 +214,6 @@ class _LeafPickler(pickle.Pickler):
             leaf = self._storage_id(obj._untyped_storage)
             return None if leaf is None else (TYPED_STORAGE, leaf, str(obj.dtype).removeprefix("torch."))
         return None
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 _STRIDED = torch.strided

@@ -28,11 +28,12 @@ def encode_index(index: Any) -> tuple[bytes, int]:
     return payload, len(payload)
 
 
-def decode_index(view: memoryview, task_len: int) -> Any:
-    """The index ``encode_index`` wrote at the start of ``view`` (the slot's data region)."""
+def decode_index(whole: memoryview, start: int, limit: int, task_len: int) -> Any:
+    """The index ``encode_index`` wrote at ``whole[start:]`` (a slot's data region of ``limit``
+    bytes)."""
     if task_len >= 0:
-        return pickle.loads(view[:task_len])
-    return view[: 8 * (-2 - task_len)].cast("q").tolist()
+        return pickle.loads(whole[start : start + min(task_len, limit)])
+    return whole[start : start + min(8 * (-2 - task_len), limit)].cast("q").tolist()
 
 
 class Dispatcher:

@@ -73,6 +73,15 @@ class Outcome(NamedTuple):  # one per batch: a tuple is the cheapest to make
     error: ExceptionWrapper | None = None
 
 
+_OK, _NEED_MEMORY = Status.OK, Status.NEED_MEMORY  # (an enum member lookup costs more than a global's)
+
+
+def _ok(needed: int) -> Outcome:
+    """``Outcome(Status.OK, needed)``, made at tuple speed (one per batch)."""
+    return _tuple_new(Outcome, (_OK, needed, None))
+
+
+_tuple_new = tuple.__new__
 _EPOCH, _SEQ, _TASK_LEN = Field.EPOCH, Field.SEQ, Field.TASK_LEN
 _BUSY_NS, _BATCHES = Counter.BUSY_NS, Counter.BATCHES
 
@@ -170,7 +179,7 @@ class _Producer:
             return Outcome(Status.ERROR, error=_wrap(where=self.where)), None
         if not writer.fits:
             return Outcome(Status.NEED_MEMORY, needed=needed), batch
-        return Outcome(Status.OK, needed=needed), batch
+        return _ok(needed), batch
 
 
 def _init(cfg: WorkerConfig) -> ExceptionWrapper | None:
@@ -206,7 +215,7 @@ def _init(cfg: WorkerConfig) -> ExceptionWrapper | None:
 
 def _publish(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWriter, outcome: Outcome,
              epoch: int, seq: int, doorbell: int, region: Region = Region.SLOT) -> None:
-    if outcome.status is Status.OK:
+    if outcome.status is _OK:
         table_off, table_len = writer.table_off, writer.table_len
         pickled_off, pickled_len = writer.pickled_off, writer.pickled_len
         dataset_state_off, dataset_state_len = writer.dataset_state_off, writer.dataset_state_len
@@ -340,7 +349,7 @@ class Mailbox:
 def _deliver(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWriter, outcome: Outcome, batch: Any,
              dataset_state: bytes, epoch: int, seq: int, mailbox: Mailbox, doorbell: int) -> bool:
     """Publish ``outcome``; a batch that did not fit takes the overflow path. False: stop."""
-    if outcome.status is not Status.NEED_MEMORY:
+    if outcome.status is not _NEED_MEMORY:
         _publish(ring, slot, cfg, writer, outcome, epoch, seq, doorbell)
         return True
     measure = SlotWriter(None)  # exactly what a fresh writer will need (leaf order included)
@@ -494,7 +503,7 @@ def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: _Producer, mailbox: 
         epoch, seq, task_len = hdr[_EPOCH], hdr[_SEQ], hdr[_TASK_LEN]
         start = ring.data_offsets[slot]
         if task_len != -1:
-            index = decode_index(ring.whole[start : start + ring.data_bytes], task_len)
+            index = decode_index(ring.whole, start, ring.data_bytes, task_len)
         else:  # the pickled index did not fit the slot: it came over the connection
             msg = mailbox.expect("index", slot)
             if msg is None:
