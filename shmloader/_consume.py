@@ -40,6 +40,7 @@ from multiprocessing import connection as mp_connection
 from typing import Any, Callable, Generator
 
 import torch
+import torch.autograd.profiler as _profiler
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
 from . import _checkpoint, _device
@@ -434,7 +435,7 @@ class RingIterator(_BaseDataLoaderIter):
             self._sampler_done = True
             return None
         try:
-            index = self._next_index()  # type: ignore[no-untyped-call]
+            index = next(self._sampler_iter)  # torch's _next_index, without its frame
         except StopIteration:
             self._sampler_done = True
             return None
@@ -749,7 +750,7 @@ class RingIterator(_BaseDataLoaderIter):
 
     # --------------------------------------------------------------- sync
     def __next__(self) -> Any:
-        if torch.autograd.profiler._is_profiler_enabled:
+        if _profiler._is_profiler_enabled:
             return super().__next__()
         # torch's __next__ without the record_function scope, which costs more than
         # a small batch's whole transport when no profiler is listening.
@@ -774,8 +775,9 @@ class RingIterator(_BaseDataLoaderIter):
     def _next_data(self) -> Any:
         asked = self._counters.requested()
         try:
-            # The steady state: a batch is ready, nothing pending; no generator is needed.
-            looked = self._steady()
+            # The steady state (started, running, nothing staged or pending): one _round, no
+            # generator, when a batch is ready.
+            looked = self._started and not self._shutdown and self._stager is None and self._pending_error is None
             result = self._round() if looked else None
             if result is None or result is _GROW:
                 steps = self._steps(looked and result is None)
@@ -794,11 +796,6 @@ class RingIterator(_BaseDataLoaderIter):
             self._counters.epoch_ended()
             raise StopIteration
         return result
-
-    def _steady(self) -> bool:
-        """Whether ``_round`` may run without ``_steps``' preamble (started, running, nothing
-        staged or pending)."""
-        return self._started and not self._shutdown and self._stager is None and self._pending_error is None
 
     def _failed(self, exc: BaseException) -> None:
         """``exc`` leaves ``next()``: one batch's error leaves the loader running; anything else

@@ -35,54 +35,63 @@ _REGION = Field.REGION
 
 
 class Leases:
-    """Slots lent to the user. Callbacks may run in any thread; ``take_returned`` runs in the consumer's."""
+    """Slots lent to the user. ``lend``, ``take_returned`` and ``holding`` run in the consumer's
+    thread; the weak-reference callbacks (a batch's last view dropped) in any thread, and
+    ``release`` in any thread.
+
+    A callback only appends ``(slot, its reference)`` to a deque (atomic under the GIL: no lock
+    on the per-batch path); ``take_returned`` accepts an entry only while that reference is
+    still the slot's current one, so a stale entry (the slot released early, then lent again)
+    is dropped. ``release`` retires the reference itself, under a lock it shares with
+    ``take_returned`` only."""
 
     def __init__(self, num_slots: int) -> None:
         self._refs: dict[int, weakref.ref[Any]] = {}
-        self._returned: collections.deque[int] = collections.deque()
-        self._lock = threading.RLock()
+        self._returned: collections.deque[tuple[int, weakref.ref[Any] | None]] = collections.deque()
+        self._lock = threading.Lock()
         self.lent: set[int] = set()
-        # One callback per slot, made once: a weak reference's callback gets the reference,
-        # and only the slot's current one returns it (an early release() may have lent it again).
-        self._dropped = [functools.partial(self._give_back, slot) for slot in range(num_slots)]
+        # One callback per slot, made once (a weak reference's callback gets the reference).
+        self._dropped = [functools.partial(self._gone, slot) for slot in range(num_slots)]
 
     def lend(self, slot: int, base: np.ndarray[Any, Any]) -> None:
-        with self._lock:
-            self.lent.add(slot)
-            self._refs[slot] = weakref.ref(base, self._dropped[slot])
+        self.lent.add(slot)
+        self._refs[slot] = weakref.ref(base, self._dropped[slot])
 
-    def _give_back(self, slot: int, ref: weakref.ref[Any] | None) -> None:
-        with self._lock:
-            if self._refs.get(slot) is not ref:
-                return
-            del self._refs[slot]
-            self._returned.append(slot)
+    def _gone(self, slot: int, ref: weakref.ref[Any]) -> None:
+        self._returned.append((slot, ref))
 
     def release(self, slot: int) -> bool:
         """Return ``slot`` now, whoever still views it. False if it was not lent."""
         with self._lock:
-            ref = self._refs.get(slot)
-            if slot not in self.lent or ref is None:
+            if slot not in self.lent or self._refs.pop(slot, None) is None:
                 return False
-            self._give_back(slot, ref)
+            self._returned.append((slot, None))  # None: retired here; its callback's entry goes stale
             return True
 
     @property
     def returned(self) -> bool:
-        """Whether slots were returned since the last ``take_returned``."""
+        """Whether slots may have been returned since the last ``take_returned``."""
         return bool(self._returned)
 
     def take_returned(self) -> list[int]:
         out = []
-        while self._returned:
-            slot = self._returned.popleft()
-            self.lent.discard(slot)
-            out.append(slot)
+        with self._lock:
+            refs = self._refs
+            while self._returned:
+                slot, ref = self._returned.popleft()
+                if ref is not None:
+                    if refs.get(slot) is not ref:
+                        continue  # stale: released early, maybe lent again since
+                    del refs[slot]
+                self.lent.discard(slot)
+                out.append(slot)
         return out
 
     def holding(self) -> int:
         """Slots the user holds right now."""
-        return len(self.lent) - len(self._returned)
+        with self._lock:
+            pending = {slot for slot, ref in list(self._returned) if ref is None or self._refs.get(slot) is ref}
+        return len(self.lent) - len(pending)
 
 
 class _LeafUnpickler(pickle.Unpickler):

@@ -1,0 +1,92 @@
+"""Leases: a slot comes back exactly once, whether its batch is dropped, released early, or
+both, in any order and from any thread, and a stale return never takes back a slot lent again."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import numpy as np
+
+from shmloader._lease import Leases
+
+
+def base() -> np.ndarray:
+    return np.zeros(4, dtype=np.uint8)
+
+
+def test_a_dropped_batch_returns_its_slot_once() -> None:
+    leases = Leases(2)
+    b = base()
+    leases.lend(0, b)
+    assert leases.holding() == 1 and not leases.returned
+    del b
+    assert leases.returned and leases.holding() == 0
+    assert leases.take_returned() == [0] and leases.take_returned() == []
+    assert leases.lent == set()
+
+
+def test_release_then_drop_returns_once() -> None:
+    leases = Leases(1)
+    b = base()
+    leases.lend(0, b)
+    assert leases.release(0) is True and leases.release(0) is False
+    assert leases.holding() == 0
+    del b  # its callback's entry is stale now
+    assert leases.take_returned() == [0] and leases.take_returned() == []
+
+
+def test_drop_then_release_before_the_consumer_looks_returns_once() -> None:
+    leases = Leases(1)
+    b = base()
+    leases.lend(0, b)
+    del b
+    leases.release(0)
+    assert leases.take_returned() == [0] and leases.lent == set()
+
+
+def test_a_stale_return_never_takes_back_the_slot_lent_again() -> None:
+    leases = Leases(1)
+    old = base()
+    leases.lend(0, old)
+    leases.release(0)
+    assert leases.take_returned() == [0]
+    new = base()
+    leases.lend(0, new)  # the same slot, a new batch
+    del old  # the first batch's views go now: its return is stale
+    assert leases.take_returned() == [] and leases.holding() == 1
+    del new
+    assert leases.take_returned() == [0]
+
+
+def test_batches_dropped_by_other_threads_come_back_exactly_once() -> None:
+    n = 64
+    leases = Leases(n)
+    bases = [base() for _ in range(n)]
+    for slot, b in enumerate(bases):
+        leases.lend(slot, b)
+    held = [[b] for b in bases]
+    del bases
+    go = threading.Barrier(4)
+
+    def drop(part: list[list[np.ndarray]]) -> None:
+        go.wait()
+        for box in part:
+            box.clear()  # the last reference, dropped in this thread
+
+    def release(slots: range) -> None:
+        go.wait()
+        for slot in slots:
+            leases.release(slot)
+
+    threads = [threading.Thread(target=drop, args=(held[: n // 2],)), threading.Thread(target=drop, args=(held[n // 2 :],)),
+               threading.Thread(target=release, args=(range(0, n, 3),))]
+    for t in threads:
+        t.start()
+    go.wait()
+    taken = leases.take_returned()
+    for t in threads:
+        t.join()
+    gc.collect()
+    taken += leases.take_returned()
+    assert sorted(taken) == list(range(n)) and leases.holding() == 0 and leases.lent == set()
