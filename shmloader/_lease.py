@@ -89,6 +89,8 @@ class Leases:
 
     def holding(self) -> int:
         """Slots the user holds right now."""
+        if not self._returned:
+            return len(self.lent)
         with self._lock:
             pending = {slot for slot, ref in list(self._returned) if ref is None or self._refs.get(slot) is ref}
         return len(self.lent) - len(pending)
