@@ -357,7 +357,50 @@ static PyObject *pack_ints(PyObject *self, PyObject *index) {
     return out;
 }
 
+PyDoc_STRVAR(same_attr_doc,
+"same_attr($module, items, name, /)\n"
+"--\n\n"
+"The attribute `name` of every element of the sequence `items` when it is one and the same\n"
+"object for all of them (a batch of tensors of one dtype: `same_attr(batch, \"dtype\")`);\n"
+"None when they differ or the list is empty. What getting the attribute raises, it raises.");
+
+static PyObject *same_attr(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyUnicode_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "same_attr takes a sequence and an attribute name");
+        return NULL;
+    }
+    PyObject *items = PySequence_Fast(args[0], "same_attr takes a sequence"), *name = args[1], *first = NULL;
+    if (items == NULL) return NULL;
+    /* The size is read afresh at every step: a getter may run Python code that changes a list. */
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(items); i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(items, i);
+        Py_INCREF(item);
+        PyObject *value = PyObject_GetAttr(item, name);
+        Py_DECREF(item);
+        if (value == NULL) {
+            Py_XDECREF(first);
+            Py_DECREF(items);
+            return NULL;
+        }
+        if (first == NULL) {
+            first = value;
+            continue;
+        }
+        int same = value == first;
+        Py_DECREF(value);
+        if (!same) {
+            Py_DECREF(first);
+            Py_DECREF(items);
+            Py_RETURN_NONE;
+        }
+    }
+    Py_DECREF(items);
+    if (first == NULL) Py_RETURN_NONE;
+    return first;
+}
+
 static PyMethodDef methods[] = {
+    {"same_attr", (PyCFunction)(void (*)(void))same_attr, METH_FASTCALL, same_attr_doc},
     {"pack_ints", pack_ints, METH_O, pack_ints_doc},
     {"encode_table", encode_table, METH_VARARGS, encode_table_doc},
     {"decode_table", decode_table, METH_VARARGS, decode_table_doc},

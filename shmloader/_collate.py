@@ -228,8 +228,9 @@ def _stack_into_slot(
     if elem.is_nested or elem.layout is not _STRIDED or not elem.is_cpu:
         result: torch.Tensor = torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
         return result
-    dtypes = set(map(_dtype_of, batch))
-    dtype = elem.dtype if len(dtypes) == 1 else functools.reduce(torch.promote_types, map(_dtype_of, batch))
+    dtype = _native.same_attr(batch, "dtype")  # one dtype (the common case), or None: promote as default_collate
+    if dtype is None:
+        dtype = functools.reduce(torch.promote_types, map(_dtype_of, batch))
     if dtype not in CODE_OF_DTYPE:
         return torch.stack(batch, 0)
     out = writer.tensor(dtype, (len(batch), *elem.shape))

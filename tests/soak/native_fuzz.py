@@ -18,6 +18,8 @@ Each round checks what the functions promise, not only that they survive:
   random offset and code tables, ``items[i]`` returns the marshalled element, raises
   ValueError for offsets outside the blob, or hands the key to ``_item``; ``plain_value``
   agrees with a Python model on random nested values;
+- ``read_slot`` over headers pointing anywhere: ValueError, or leaves inside the data region and
+  a lone flag that is right; ``same_attr`` over getters that raise or empty the caller's list;
 - the synchronisation calls (``sem_*``, ``load_acquire``, ``store_*``, ``collect``,
   ``post_task``, ``publish``) refuse offsets outside the buffer or misaligned, with
   ValueError, and leave the bytes around their target untouched.
@@ -106,6 +108,68 @@ def fuzz_decode(native: Any, rng: random.Random, g: Guarded) -> None:
         assert loff % native.LEAF_ALIGN == 0 and 0 <= loff and loff + nbytes <= limit, (loff, nbytes, limit)
         assert len(shape) <= native.MAX_NDIM
         assert nbytes == items * native.ITEMSIZES[code], (nbytes, items, code)
+
+
+def fuzz_read_slot(native: Any, rng: random.Random, g: Guarded) -> None:
+    """A slot header (16 int64 fields) pointing anywhere, over a data region holding a table
+    (valid or damaged) and a skeleton: ValueError, or leaves inside the region and a lone flag
+    that says whether the skeleton is exactly ``lone``."""
+    lone = b"\x80\x05\x95\x04\x00\x00\x00\x00\x00\x00\x00K\x00Q."
+    header, data = SEMS, SEMS + 256
+    cap = rng.choice([0, 512, 4096, SIZE - data, SIZE - data + 8, -1])
+    fields = [rng.randrange(-5, 5) for _ in range(native.N_HEADER_FIELDS)]
+    table_off, table_len, pickled_off, pickled_len = native.READ_SLOT_FIELDS
+    leaves = [(rng.randrange(native.N_CODES), rng.randrange(native.N_KINDS), 64 * rng.randrange(8),
+               random_shape(rng, rng.randrange(0, 4))) for _ in range(rng.randrange(1, 3))]
+    buf = bytearray(1024)
+    try:
+        n = native.encode_table(buf, 0, len(buf), leaves)
+    except ValueError:
+        n = 8
+    if rng.random() < 0.3:
+        buf[rng.randrange(n)] = rng.randrange(256)
+    skeleton = lone if rng.random() < 0.5 else rng.randbytes(len(lone))
+    g.view[data + 1024 : data + 1024 + n] = buf[:n]
+    g.view[data + 2048 : data + 2048 + len(skeleton)] = skeleton
+    fields[table_off] = rng.choice([1024, 1024, -8, 2**62, SIZE])
+    fields[table_len] = rng.choice([n, n, n - 1, 0, 2**62, -1])
+    fields[pickled_off] = rng.choice([2048, 2048, -1, 2**62])
+    fields[pickled_len] = rng.choice([len(lone), len(lone), len(lone) - 1, -1, 2**62])
+    g.view[header : header + 8 * len(fields)] = struct.pack(f"<{len(fields)}q", *fields)
+    hdr = rng.choice([header, header, header + 4, -8, SIZE - 64, SIZE])
+    try:
+        table, is_lone = native.read_slot(g.view, hdr, g.view, data, cap, lone)
+    except (ValueError, OverflowError):
+        g.check("read_slot")
+        return
+    g.check("read_slot")
+    assert hdr == header and 0 <= fields[table_off] and fields[table_off] + fields[table_len] <= cap
+    assert is_lone == (fields[pickled_len] == len(lone) and skeleton == lone and fields[pickled_off] == 2048)
+    for code, kind, loff, nbytes, shape in table:
+        assert 0 <= loff and loff + nbytes <= cap, (loff, nbytes, cap)
+
+
+def fuzz_same_attr(native: Any, rng: random.Random, g: Guarded) -> None:
+    class Odd:
+        def __init__(self, victim: list[Any]) -> None:
+            self.victim = victim
+
+        @property
+        def tag(self) -> Any:
+            if rng.random() < 0.2:
+                self.victim.clear()  # the caller's list, emptied mid-call
+            if rng.random() < 0.05:
+                raise AttributeError("tag")
+            return rng.choice(["a", "a", "a", "b"])
+
+    items: list[Any] = []
+    items.extend(Odd(items) for _ in range(rng.randrange(0, 6)))
+    seq: Any = items if rng.random() < 0.7 else tuple(items)
+    try:
+        got = native.same_attr(seq, "tag")
+    except AttributeError:
+        return
+    assert got in (None, "a", "b"), got
 
 
 class Emptying:
@@ -307,7 +371,7 @@ def main() -> None:
     g = Guarded()
     for k in range(0, SEMS, native.SEM_STRIDE):
         native.sem_init(g.view, k)
-    kinds = [fuzz_decode, fuzz_encode, fuzz_sync, fuzz_pack, fuzz_items]
+    kinds = [fuzz_decode, fuzz_encode, fuzz_sync, fuzz_pack, fuzz_items, fuzz_read_slot, fuzz_same_attr]
     for i in range(count):
         rng.choice(kinds)(native, rng, g)
     with open("/proc/self/maps") as maps:
