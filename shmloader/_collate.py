@@ -170,7 +170,6 @@ class SlotWriter:
         self._keep.clear()
         return needed
 
-
     def _finish_lone(self, leaf: Leaf) -> int:
         """``finish`` for a batch that is one leaf, without a dataset state: the skeleton and
         the leaf table are the same batch after batch, so they are laid out once per slot and

@@ -290,7 +290,7 @@ class _Unpickler(pickle.Unpickler):
         return self._store.view(pid)
 
 
-class SharedList(_native.Items, collections.abc.Sequence):  # type: ignore[misc, type-arg]
+class SharedList(_native.Items, collections.abc.Sequence):  # type: ignore[type-arg]
     """A read-only list (or tuple) in shared memory: ``len``, indexing (negative too), slicing
     (a list of copies), iteration, ``in``, ``index``, ``count``. Each read returns a fresh
     copy of the element; its arrays and tensors are views of the shared bytes.

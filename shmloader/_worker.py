@@ -74,14 +74,13 @@ class Outcome(NamedTuple):  # one per batch: a tuple is the cheapest to make
 
 
 _OK, _NEED_MEMORY = Status.OK, Status.NEED_MEMORY  # (an enum member lookup costs more than a global's)
+_tuple_new = tuple.__new__
 
 
 def _ok(needed: int) -> Outcome:
     """``Outcome(Status.OK, needed)``, made at tuple speed (one per batch)."""
     return _tuple_new(Outcome, (_OK, needed, None))
 
-
-_tuple_new = tuple.__new__
 _EPOCH, _SEQ, _TASK_LEN = Field.EPOCH, Field.SEQ, Field.TASK_LEN
 _BUSY_NS, _BATCHES = Counter.BUSY_NS, Counter.BATCHES
 

@@ -68,6 +68,19 @@ def random_shape(rng: random.Random, ndim: int) -> tuple[int, ...]:
     return tuple(rng.choice([0, 1, 2, 3, 7, 64, rng.randrange(100)]) for _ in range(ndim))
 
 
+def random_table(native: Any, rng: random.Random, size: int, offsets: int, ndim: int,
+                 leaves: int) -> tuple[bytearray, int] | None:
+    """A valid leaf table of 1 to ``leaves - 1`` random leaves in a buffer of ``size`` bytes,
+    and its length; None when the leaves do not fit."""
+    entries = [(rng.randrange(native.N_CODES), rng.randrange(native.N_KINDS), 64 * rng.randrange(offsets),
+                random_shape(rng, rng.randrange(0, ndim))) for _ in range(rng.randrange(1, leaves))]
+    buf = bytearray(size)
+    try:
+        return buf, native.encode_table(buf, 0, len(buf), entries)
+    except ValueError:
+        return None
+
+
 def fuzz_decode(native: Any, rng: random.Random, g: Guarded) -> None:
     limit = rng.choice([0, 64, 4096, SIZE, 2**40, -1])
     if rng.random() < 0.5:  # random bytes behind a valid head (magic, count)
@@ -75,13 +88,10 @@ def fuzz_decode(native: Any, rng: random.Random, g: Guarded) -> None:
         raw = struct.pack("<II", 0x544C4853 if rng.random() < 0.9 else rng.randrange(2**32),
                           rng.randrange(0, 40)) + rng.randbytes(n)
     else:  # a valid table with a few bytes flipped
-        leaves = [(rng.randrange(native.N_CODES), rng.randrange(native.N_KINDS), 64 * rng.randrange(64),
-                   random_shape(rng, rng.randrange(0, 6))) for _ in range(rng.randrange(1, 5))]
-        buf = bytearray(4096)
-        try:
-            n = native.encode_table(buf, 0, len(buf), leaves)
-        except ValueError:
+        encoded = random_table(native, rng, 4096, offsets=64, ndim=6, leaves=5)
+        if encoded is None:
             return
+        buf, n = encoded
         for _ in range(rng.randrange(1, 6)):
             buf[rng.randrange(n)] = rng.randrange(256)
         raw = bytes(buf[: n + rng.randrange(-8, 8) if n > 8 else n])
@@ -119,13 +129,7 @@ def fuzz_read_slot(native: Any, rng: random.Random, g: Guarded) -> None:
     cap = rng.choice([0, 512, 4096, SIZE - data, SIZE - data + 8, -1])
     fields = [rng.randrange(-5, 5) for _ in range(native.N_HEADER_FIELDS)]
     table_off, table_len, pickled_off, pickled_len = native.READ_SLOT_FIELDS
-    leaves = [(rng.randrange(native.N_CODES), rng.randrange(native.N_KINDS), 64 * rng.randrange(8),
-               random_shape(rng, rng.randrange(0, 4))) for _ in range(rng.randrange(1, 3))]
-    buf = bytearray(1024)
-    try:
-        n = native.encode_table(buf, 0, len(buf), leaves)
-    except ValueError:
-        n = 8
+    buf, n = random_table(native, rng, 1024, offsets=8, ndim=4, leaves=3) or (bytearray(1024), 8)
     if rng.random() < 0.3:
         buf[rng.randrange(n)] = rng.randrange(256)
     skeleton = lone if rng.random() < 0.5 else rng.randbytes(len(lone))
