@@ -241,6 +241,9 @@ class RingIterator(_BaseDataLoaderIter):
             if stager is None:
                 slot = self._take_next()
                 if slot is not None:
+                    # The batch taken left the tasks: dispatch the next one now, as torch's
+                    # loader does, so W*P tasks stay in flight while the caller's step runs.
+                    self._dispatch()
                     return self._deliver(slot)
             else:
                 try:
@@ -608,10 +611,11 @@ class RingIterator(_BaseDataLoaderIter):
         if self.pinned:
             _device.register_host(ring.mm, g.total_bytes)
         self._ring = ring  # a worker replaced from here on inherits the new ring
-        self._check()  # workers that died are replaced first (their replacements inherit the new ring)
         procs = list(self._pool.procs)
         for wid in range(self._num_workers):
-            self._pool.send(wid, ("ring", -1, ring.spec), dead_ok=True)  # a replacement inherits the new ring
+            # One that died already (unseen: liveness is checked before sleeping) is replaced
+            # by the _check() below, on the new ring: it is then no longer waited for.
+            self._pool.send(wid, ("ring", -1, ring.spec), dead_ok=True)
             old.push_task(wid, RESIZE_TASK)
         waiting = set(range(self._num_workers))
         while True:

@@ -275,3 +275,25 @@ def test_breaking_off_epochs_returns_their_overflow_memory_to_the_budget() -> No
                 break
     same([b.clone() for b in loader], want)
     assert loader.stats().ring_growths == 0 and loader.stats().copies == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_dead_unseen_when_the_ring_grows_is_replaced_on_the_new_ring() -> None:
+    # Liveness is checked before the consumer sleeps, so a worker can be dead, unseen, when
+    # the ring grows at the start of an epoch. Its replacement must attach to the new ring
+    # and the epoch go on: not WorkerDiedError (a message sent to it), not a wait for it to
+    # attach (a replacement on the new ring never reads the old ring's resize task).
+    sizes = [4] * 64
+    want = list(tud.DataLoader(Sized(sizes), batch_size=4))
+    loader = shmloader.DataLoader(Sized(sizes), batch_size=4, num_workers=2, persistent_workers=True)
+    it = iter(loader)
+    for batch, expected in zip(it, want, strict=True):
+        same(batch, expected)
+    victim = it._pool.procs[0]
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join()
+    it._grow_to = 2 * it._ring.geometry.data_bytes  # what a batch too large for its slot asks for
+    for batch, expected in zip(loader, want, strict=True):
+        same(batch, expected)
+    assert loader.stats().ring_growths == 1 and loader.stats().worker_restarts == 1
+    it._shutdown_workers()
