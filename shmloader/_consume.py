@@ -329,12 +329,11 @@ class RingIterator(_BaseDataLoaderIter):
             pending = -1
             if probe is not None and probe[0] == wid:
                 pending = self._table.dispatch(wid, probe[1], probe[2])
-            self._pool.send(wid, ("ring", ring.spec, pending))
+            self._pool.send(wid, ("ring", ring.spec, pending), ring.fd)
         for wid in range(self._num_workers):
             yield from self._wait_conns([wid])
             reply = self._pool.conns[wid].recv()
             assert reply == ("attached",), reply
-        ring.unlink()
         self._started = True
 
     def _recover(self, wid: int) -> None:
@@ -615,7 +614,7 @@ class RingIterator(_BaseDataLoaderIter):
         for wid in range(self._num_workers):
             # One that died already (unseen: liveness is checked before sleeping) is replaced
             # by the _check() below, on the new ring: it is then no longer waited for.
-            self._pool.send(wid, ("ring", -1, ring.spec), dead_ok=True)
+            self._pool.send(wid, ("ring", -1, ring.spec), ring.fd, dead_ok=True)
             old.push_task(wid, RESIZE_TASK)
         waiting = set(range(self._num_workers))
         while True:
@@ -633,7 +632,6 @@ class RingIterator(_BaseDataLoaderIter):
             if not waiting:
                 break
             yield ("conns", sorted(waiting))
-        ring.unlink()
         old.close()
         if held:
             self._arena.retire(old.mm, held)

@@ -99,18 +99,16 @@ class WorkerPool:
         """Answer ``wid``'s request for overflow memory: ``size`` bytes at ``fd``; 0: drop the
         batch; -1: send it pickled over the connection instead. A worker that died meanwhile
         is left to the consumer's next liveness check (its tasks are dispatched again)."""
-        if self.send(wid, ("memory", slot, size), dead_ok=True) and size > 0:
-            try:
-                reduction.send_handle(self.conns[wid], fd, self.procs[wid].pid)
-            except OSError as error:
-                self._dead_or_raise(wid, error)
+        self.send(wid, ("memory", slot, size), fd if size > 0 else None, dead_ok=True)
 
-    def send(self, wid: int, msg: tuple[Any, ...], dead_ok: bool = False) -> bool:
-        """Send ``msg`` to worker ``wid``. If it died: with ``dead_ok``, False (the consumer's
-        next liveness check replaces it and dispatches its tasks again); otherwise
-        WorkerDiedError."""
+    def send(self, wid: int, msg: tuple[Any, ...], fd: int | None = None, dead_ok: bool = False) -> bool:
+        """Send ``msg`` to worker ``wid``, then the descriptor ``fd`` if given (the worker reads
+        it right after the message). If it died: with ``dead_ok``, False (the consumer's next
+        liveness check replaces it and dispatches its tasks again); otherwise WorkerDiedError."""
         try:
             self.conns[wid].send(msg)
+            if fd is not None:
+                reduction.send_handle(self.conns[wid], fd, self.procs[wid].pid)
         except OSError as error:
             if not dead_ok:
                 self.check_alive()

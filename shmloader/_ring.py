@@ -2,9 +2,10 @@
 
 ``Ring`` is the creator's handle (main process): it creates the segment exclusively,
 initialises its process-shared semaphores (``native/_sync.c``), unlinks the segment's name
-once every worker has attached, and keeps the segment's fd, so a worker started later (a
-replacement, under any start method) attaches through the fd: nothing needs a name after
-set-up, and there are no named semaphores at all. ``AttachedRing`` is a worker's handle.
+at once and keeps the segment's fd. Every worker attaches through that fd: sent over its
+connection (``reduction.send_handle``), or inherited by a replacement, under any start
+method. So no name outlives the ring's creation, whoever is killed when, and there are no
+named semaphores at all. ``AttachedRing`` is a worker's handle.
 Neither knows what a batch is.
 """
 
@@ -22,10 +23,10 @@ from ._layout import DONE, IDLE, N_COUNTERS, N_FIELDS, RingGeometry, Field
 
 @dataclasses.dataclass(frozen=True)
 class RingSpec:
-    """What a worker needs to attach at set-up (picklable, sent once per ring)."""
+    """What a worker needs to attach, beside the segment's fd (picklable, sent once per ring)."""
 
     geometry: RingGeometry
-    segment: str
+    segment: str  # the name it was created under (unlinked since): for messages only
 
 
 class _Views:
@@ -85,6 +86,7 @@ class Ring(_Views):
         self._name_linked = True
         self.segment, self.fd, mm = _shm.create_segment_fd(geometry.total_bytes)
         try:
+            self.unlink()  # the fd is all that workers need: nothing can be left in /dev/shm from here on
             for offset in [geometry.ready_sem, *(geometry.task_sem(w) for w in range(geometry.num_workers))]:
                 _native.sem_init(mm, offset)
         except BaseException:
@@ -139,18 +141,14 @@ class Ring(_Views):
 
 
 class AttachedRing(_Views):
-    """A worker's view of the ring: attached by name at set-up, or through the segment's fd
-    (a worker that replaces a dead one, under any start method)."""
+    """A worker's view of the ring, attached through the segment's fd (sent over its
+    connection, or inherited by a worker that replaces a dead one)."""
 
     def __init__(self, geometry: RingGeometry, mm: mmap.mmap, worker_id: int) -> None:
         super().__init__(geometry, mm)
         self.worker_id = worker_id
         self.queue = self.queues[worker_id]
         self._head = 0
-
-    @classmethod
-    def by_name(cls, spec: RingSpec, worker_id: int) -> AttachedRing:
-        return cls(spec.geometry, _shm.attach_segment(spec.segment, spec.geometry.total_bytes), worker_id)
 
     @classmethod
     def by_fd(cls, geometry: RingGeometry, fd: int, worker_id: int) -> AttachedRing:

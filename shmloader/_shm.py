@@ -1,4 +1,4 @@
-"""POSIX shared-memory segments and semaphores: create, attach, unlink.
+"""POSIX shared-memory segments: create (then unlink at once: processes share the fd), map.
 
 Only the creator (the main process) unlinks. Names are unpredictable and carry the
 creator's pid; everything is created exclusively with mode 0600. This module knows
@@ -111,17 +111,6 @@ def create_segment_fd(size: int) -> tuple[str, int, Mapping]:
         posix_ipc.unlink_shared_memory(name)
         raise
     return name, shm.fd, mm
-
-
-def attach_segment(name: str, size: int) -> mmap.mmap:
-    """Map an existing segment without taking ownership (never unlinks)."""
-    shm = posix_ipc.SharedMemory(name)
-    try:
-        if shm.size < size:
-            raise ValueError(f"segment {name} holds {shm.size} bytes, expected {size}")
-        return mmap.mmap(shm.fd, size)
-    finally:
-        shm.close_fd()
 
 
 def unlink_segment(name: str) -> None:

@@ -1,8 +1,8 @@
 """The worker process: fetch samples, collate into a slot, signal readiness.
 
 A worker starts on a setup pipe: it may be asked to produce the first
-batch privately (the probe that sizes the ring), then receives the ring's spec,
-attaches, and from then on talks only through shared memory: it takes slot numbers
+batch privately (the probe that sizes the ring), then receives the ring's spec and
+the segment's fd, attaches, and from then on talks only through shared memory: it takes slot numbers
 from its task queue (a semaphore per worker), reads the pickled index from the
 slot, writes the batch and the result header, marks the slot DONE, posts the ready
 semaphore and rings the doorbell (an eventfd the main process's event loop watches).
@@ -321,8 +321,8 @@ class Mailbox:
     """The worker's end of its setup connection once it serves the ring. The consumer sends
     what does not fit in shared memory: overflow memory ("memory", slot, size, then the fd;
     size 0 means drop the batch), an index too large for its slot ("index", slot, payload),
-    a new ring ("ring", -1, spec) and ("stop",). Messages for a later task are kept until
-    asked for."""
+    a new ring ("ring", -1, spec, then the segment's fd) and ("stop",). Messages for a later
+    task are kept until asked for."""
 
     def __init__(self, conn: Any, parent: ParentWatch, check_s: float) -> None:
         self.conn = conn
@@ -341,6 +341,8 @@ class Mailbox:
                 return None
             if msg[0] == "memory":
                 msg = (*msg, reduction.recv_handle(self.conn) if msg[2] > 0 else -1)
+            elif msg[0] == "ring":
+                msg = (*msg, reduction.recv_handle(self.conn))
             self._kept[(msg[0], msg[1])] = msg
         return self._kept.pop((kind, slot))
 
@@ -426,8 +428,9 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
             continue
         spec: RingSpec = msg[1]
         pending_slot: int = msg[2]
+        segment = reduction.recv_handle(conn)  # sent right after the spec
         break
-    ring = AttachedRing.by_name(spec, cfg.worker_id)
+    ring = AttachedRing.by_fd(spec.geometry, segment, cfg.worker_id)
     ring.counters[cfg.worker_id][Counter.STARTED_NS] = time.monotonic_ns()
     conn.send(("attached",))
     mailbox = Mailbox(conn, parent, cfg.parent_check_s)
@@ -469,7 +472,7 @@ def _reattach(cfg: WorkerConfig, old: AttachedRing, mailbox: Mailbox) -> Attache
     msg = mailbox.expect("ring")
     if msg is None:
         return None
-    ring = AttachedRing.by_name(msg[2], cfg.worker_id)
+    ring = AttachedRing.by_fd(msg[2].geometry, msg[3], cfg.worker_id)
     ring.counters[cfg.worker_id][:] = old.counters[cfg.worker_id]
     mailbox.conn.send(("attached",))
     return ring
