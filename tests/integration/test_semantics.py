@@ -216,3 +216,45 @@ def test_the_dataset_gets_the_index_torch_gives_it(workers: int) -> None:
     got = list(shmloader.DataLoader(IndexTypes(), batch_sampler=batches, collate_fn=list, num_workers=workers))
     assert got == want and got[2][0].startswith("list:int64:") and got[2][1] == "list:int:4"
     assert got[3][0] == "list:bool:True" and got[4][0] == "tuple:int:6"
+
+
+class CountingSampler:
+    """A batch sampler that counts the batches drawn from it: the tasks a loader dispatched."""
+
+    def __init__(self, n: int, batch_size: int) -> None:
+        self.inner = tud.BatchSampler(tud.SequentialSampler(range(n)), batch_size, drop_last=False)
+        self.drawn = 0
+
+    def __iter__(self) -> Any:
+        for batch in self.inner:
+            self.drawn += 1
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+def ahead(make: Any, hold_previous: bool, prefetch_factor: int = 2) -> list[int]:
+    """Batches drawn from the sampler beyond those handed out, after each of 12 next() calls,
+    while the caller's step runs."""
+    sampler = CountingSampler(400, 10)
+    it = iter(make(Range(400), batch_sampler=sampler, num_workers=2, prefetch_factor=prefetch_factor))
+    seen, batch = [], None
+    for k in range(12):
+        if not hold_previous:
+            batch = None  # the step is done with the last batch before it asks for the next
+        batch = next(it)
+        seen.append(sampler.drawn - (k + 1))
+    del batch, it
+    return seen
+
+
+@pytest.mark.parametrize("prefetch_factor", [1, 2, 3])
+def test_tasks_prefetched_during_the_step_match_torch(prefetch_factor: int) -> None:
+    # torch keeps num_workers * prefetch_factor indices dispatched while the caller's step runs.
+    want = ahead(tud.DataLoader, False, prefetch_factor)
+    assert want == [2 * prefetch_factor] * 12
+    assert ahead(shmloader.DataLoader, False, prefetch_factor) == want
+    # In `for batch in loader`, the loop variable still holds the previous batch (its slot)
+    # while next() runs, so one task fewer is in flight until it is rebound (README).
+    assert ahead(shmloader.DataLoader, True, prefetch_factor)[1:] == [2 * prefetch_factor - 1] * 11
