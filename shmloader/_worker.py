@@ -2,8 +2,8 @@
 
 A worker starts on a setup pipe: it may be asked to produce the first
 batch privately (the probe that sizes the ring), then receives the ring's spec and
-the segment's fd, attaches, and from then on talks only through shared memory: it takes slot numbers
-from its task queue (a semaphore per worker), reads the pickled index from the
+the segment's fd, attaches, and from then on talks only through shared memory: it
+takes slot numbers from its task queue (a semaphore per worker), reads the index from the
 slot, writes the batch and the result header, marks the slot DONE, posts the ready
 semaphore and rings the doorbell (an eventfd the main process's event loop watches).
 
