@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import warnings
 from typing import Any
 
 import pytest
@@ -49,6 +50,9 @@ def test_accelerate_prepare_without_install_warns_once_that_the_ring_is_lost() -
     shards = []
     with pytest.warns(UserWarning, match=r"a torch DataLoader over the dataset of a shmloader.DataLoader will not "
                                          r"use shmloader's ring: .* Call shmloader.install\(\)") as caught:
+        # Python >= 3.12 warns when a process with threads forks (torch's workers, here, on a
+        # machine whose torch runs CUDA threads): not what this test is about.
+        warnings.filterwarnings("ignore", r"This process .* is multi-threaded, use of fork\(\)", DeprecationWarning)
         for rank in (0, 1):
             prepared = prepare_data_loader(loader, num_processes=2, process_index=rank, put_on_device=False)
             assert not isinstance(prepared, shmloader.DataLoader)
