@@ -329,7 +329,7 @@ class RingIterator(_BaseDataLoaderIter):
             pending = -1
             if probe is not None and probe[0] == wid:
                 pending = self._table.dispatch(wid, probe[1], probe[2])
-            self._pool.send(wid, ("ring", ring.spec, pending), ring.fd)
+            self._pool.send(wid, ("ring", ring.geometry, pending), ring.fd)
         for wid in range(self._num_workers):
             yield from self._wait_conns([wid])
             reply = self._pool.conns[wid].recv()
@@ -614,7 +614,7 @@ class RingIterator(_BaseDataLoaderIter):
         for wid in range(self._num_workers):
             # One that died already (unseen: liveness is checked before sleeping) is replaced
             # by the _check() below, on the new ring: it is then no longer waited for.
-            self._pool.send(wid, ("ring", -1, ring.spec), ring.fd, dead_ok=True)
+            self._pool.send(wid, ("ring", -1, ring.geometry), ring.fd, dead_ok=True)
             old.push_task(wid, RESIZE_TASK)
         waiting = set(range(self._num_workers))
         while True:

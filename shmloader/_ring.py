@@ -11,7 +11,6 @@ Neither knows what a batch is.
 
 from __future__ import annotations
 
-import dataclasses
 import mmap
 import os
 
@@ -19,14 +18,6 @@ import numpy as np
 
 from . import _native, _shm
 from ._layout import DONE, IDLE, N_COUNTERS, N_FIELDS, RingGeometry, Field
-
-
-@dataclasses.dataclass(frozen=True)
-class RingSpec:
-    """What a worker needs to attach, beside the segment's fd (picklable, sent once per ring)."""
-
-    geometry: RingGeometry
-    segment: str  # the name it was created under (unlinked since): for messages only
 
 
 class _Views:
@@ -95,10 +86,6 @@ class Ring(_Views):
         super().__init__(geometry, mm)
         self.mm: _shm.Mapping = mm  # the main process's mapping: pinnable, unpinned before unmapping
         self._tails = [0] * geometry.num_workers
-
-    @property
-    def spec(self) -> RingSpec:
-        return RingSpec(self.geometry, self.segment)
 
     def unlink(self) -> None:
         """Remove the segment's name; mappings and the fd stay valid. Idempotent."""

@@ -1,7 +1,7 @@
 """The worker process: fetch samples, collate into a slot, signal readiness.
 
 A worker starts on a setup pipe: it may be asked to produce the first
-batch privately (the probe that sizes the ring), then receives the ring's spec and
+batch privately (the probe that sizes the ring), then receives the ring's geometry and
 the segment's fd, attaches, and from then on talks only through shared memory: it
 takes slot numbers from its task queue (a semaphore per worker), reads the index from the
 slot, writes the batch and the result header, marks the slot DONE, posts the ready
@@ -41,7 +41,7 @@ from torch.utils.data._utils import worker as torch_worker
 from ._collate import SlotWriter, slot_collate_map
 from ._dispatch import decode_index
 from ._layout import RESIZE_TASK, Counter, Field, Region, RingGeometry, Status
-from ._ring import AttachedRing, RingSpec
+from ._ring import AttachedRing
 
 _ONE = struct.pack("=Q", 1)
 
@@ -321,7 +321,7 @@ class Mailbox:
     """The worker's end of its setup connection once it serves the ring. The consumer sends
     what does not fit in shared memory: overflow memory ("memory", slot, size, then the fd;
     size 0 means drop the batch), an index too large for its slot ("index", slot, payload),
-    a new ring ("ring", -1, spec, then the segment's fd) and ("stop",). Messages for a later
+    a new ring ("ring", -1, geometry, then the segment's fd) and ("stop",). Messages for a later
     task are kept until asked for."""
 
     def __init__(self, conn: Any, parent: ParentWatch, check_s: float) -> None:
@@ -403,7 +403,7 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
     probe_writer = SlotWriter(None)
     pending: tuple[int, int, Outcome, Any, bytes] | None = None
     batch: Any = None
-    # Setup phase: the pipe carries the probe and the ring's spec.
+    # Setup phase: the pipe carries the probe, then the ring's geometry and the segment's fd.
     while True:
         if not conn.poll(cfg.parent_check_s):
             if not parent.alive():
@@ -426,11 +426,11 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
             conn.send(("probed", int(outcome.status), outcome.needed,
                        None if outcome.error is None else picklable(outcome.error)))
             continue
-        spec: RingSpec = msg[1]
+        geometry: RingGeometry = msg[1]
         pending_slot: int = msg[2]
-        segment = reduction.recv_handle(conn)  # sent right after the spec
+        segment = reduction.recv_handle(conn)  # sent right after the geometry
         break
-    ring = AttachedRing.by_fd(spec.geometry, segment, cfg.worker_id)
+    ring = AttachedRing.by_fd(geometry, segment, cfg.worker_id)
     ring.counters[cfg.worker_id][Counter.STARTED_NS] = time.monotonic_ns()
     conn.send(("attached",))
     mailbox = Mailbox(conn, parent, cfg.parent_check_s)
@@ -472,7 +472,7 @@ def _reattach(cfg: WorkerConfig, old: AttachedRing, mailbox: Mailbox) -> Attache
     msg = mailbox.expect("ring")
     if msg is None:
         return None
-    ring = AttachedRing.by_fd(msg[2].geometry, msg[3], cfg.worker_id)
+    ring = AttachedRing.by_fd(msg[2], msg[3], cfg.worker_id)
     ring.counters[cfg.worker_id][:] = old.counters[cfg.worker_id]
     mailbox.conn.send(("attached",))
     return ring

@@ -24,11 +24,16 @@ def rng() -> random.Random:
 
 
 def kill_one(it: shmloader._consume.RingIterator, rng: random.Random,
-             signals: tuple[signal.Signals, ...] = (signal.SIGKILL, signal.SIGTERM)) -> None:
-    """SIGSEGV only where the worker does not inherit pytest's faulthandler (its dump would
+             signals: tuple[signal.Signals, ...] = (signal.SIGKILL, signal.SIGTERM)) -> bool:
+    """Kill a live worker; False when none is alive: the loader replaces dead workers when it
+    must wait, so batches already made can still come after every worker was killed.
+    SIGSEGV only where the worker does not inherit pytest's faulthandler (its dump would
     fill the log): spawn and forkserver workers."""
-    victim = rng.choice([p for p in it._pool.procs if p.exitcode is None])
-    os.kill(victim.pid, rng.choice(signals))
+    alive = [p for p in it._pool.procs if p.exitcode is None]
+    if not alive:
+        return False
+    os.kill(rng.choice(alive).pid, rng.choice(signals))
+    return True
 
 
 def consume_blocks(loader: shmloader.DataLoader, after: Callable[[int, Any], None], mode: str) -> int:
@@ -60,8 +65,7 @@ def test_random_kills_sync(rng: random.Random) -> None:
     kills = 0
     for i, batch in enumerate(it):
         check_blocks(batch, 8 * i)
-        if rng.random() < 0.08:  # about every 12 batches, at whatever the workers are doing
-            kill_one(it, rng)
+        if rng.random() < 0.08 and kill_one(it, rng):  # about every 12 batches, whatever the workers do
             kills += 1
     assert i == 299
     assert 5 < loader.stats().worker_restarts <= kills  # a kill may land after the last batch
@@ -113,8 +117,7 @@ def test_an_iterable_dataset_with_state_resumes_its_shard_after_a_kill(rng: rand
         it = iter(loader)
         for n, batch in enumerate(it, 1):
             got.append(batch)
-            if n % 13 == 0 and kills < 4:
-                kill_one(it, rng, (signal.SIGKILL,))  # type: ignore[arg-type]
+            if n % 13 == 0 and kills < 4 and kill_one(it, rng, (signal.SIGKILL,)):  # type: ignore[arg-type]
                 kills += 1
         same(got, want[epoch])
     assert 1 <= loader.stats().worker_restarts <= kills
