@@ -14,8 +14,7 @@ Anything else (arrays, tensors, subclasses, a container held twice) is a pickle.
 
 Layout of the file (little-endian)::
 
-    header   magic u64 | kind u64 (list, tuple, dict) | n u64 | blob offset u64 | data offset u64 | total u64 |
-             elements holding views u64 (0: no read needs the views table)
+    header   magic u64 | kind u64 (list, tuple, dict) | n u64 | blob offset u64 | data offset u64 | total u64
     offsets  u64[n + 1]: element i is blob[offsets[i]:offsets[i + 1]]
     codes    u64[n]: how element i is stored: MARSHAL (``marshal`` version 2), PICKLE (a
              protocol-5 pickle) or VIEWS (a pickle holding arrays or tensors)
@@ -57,7 +56,7 @@ MAGIC = 0x53484D53_48415245  # "SHMSHARE"
 KINDS: dict[type, int] = {list: 0, tuple: 1, dict: 2}
 MARSHAL, PICKLE, VIEWS = 0, 1, 2  # element codes (MARSHAL is read in C: native/_share.c)
 _MARSHAL_VERSION = 2  # binary floats; no references (plain_value refuses a container held twice)
-_HEADER = 7 * 8
+_HEADER = 6 * 8
 _ALIGN = 64
 # Once written: no more seals, no size change, no write (through any descriptor or mapping).
 _SEALS = (getattr(fcntl, "F_SEAL_SEAL", 1) | getattr(fcntl, "F_SEAL_SHRINK", 2) | getattr(fcntl, "F_SEAL_GROW", 4)
@@ -171,8 +170,7 @@ def _write(kind: int, keys: list[Any], values: Iterable[Any]) -> tuple[int, int]
     blob_off = _HEADER + len(tables)
     data_off = -(-(blob_off + len(blob)) // _ALIGN) * _ALIGN
     total = max(data_off + leaves.size, 1)
-    with_views = codes.count(VIEWS)
-    header = np.asarray([MAGIC, kind, n, blob_off, data_off, total, with_views], dtype="<u8").tobytes()
+    header = np.asarray([MAGIC, kind, n, blob_off, data_off, total], dtype="<u8").tobytes()
     fd = os.memfd_create("shmloader-share", os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 2))
     try:
         os.ftruncate(fd, total)
@@ -203,9 +201,8 @@ class _Store:
     """The mapped file, its tables, and element decoding (shared by the containers). It
     pickles as its file descriptor."""
 
-    def __init__(self, fd: int, mm: mmap.mmap, n: int, blob_off: int, data_off: int, with_views: int) -> None:
+    def __init__(self, fd: int, mm: mmap.mmap, n: int, blob_off: int, data_off: int) -> None:
         self.fd, self.mm, self.n, self.blob_off, self.data_off = fd, mm, n, blob_off, data_off
-        self.with_views = with_views  # elements holding arrays or tensors
         # Tables are read in place through memoryviews: an index makes a fresh int. (A list of
         # ints here would be millions of objects whose reference counts every read writes:
         # the very copy-on-read this module exists to end.)
@@ -221,13 +218,13 @@ class _Store:
         """Map ``fd`` (owned from here on) copy-on-write: a write stays this process's."""
         try:
             mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)
-            head = np.frombuffer(mm, dtype="<u8", count=7)
+            head = np.frombuffer(mm, dtype="<u8", count=6)
             if int(head[0]) != MAGIC or int(head[5]) != size:
                 raise ValueError("not a shmloader.share() file (or a truncated one)")
         except BaseException:
             os.close(fd)
             raise
-        return cls(fd, mm, int(head[2]), int(head[3]), int(head[4]), int(head[6])), int(head[1])
+        return cls(fd, mm, int(head[2]), int(head[3]), int(head[4])), int(head[1])
 
     def element(self, i: int) -> Any:
         offsets = self.offsets
