@@ -364,6 +364,24 @@ PyDoc_STRVAR(same_attr_doc,
 "object for all of them (a batch of tensors of one dtype: `same_attr(batch, \"dtype\")`);\n"
 "None when they differ or the list is empty. What getting the attribute raises, it raises.");
 
+/* The attribute `name` of `item`. A batch's items share one type, so its getset descriptor is
+   looked up once (`*type`, `*getter`; the caller releases `*type`) and called directly: what
+   PyObject_GetAttr would call for a data descriptor of a type with the generic getattr. */
+static PyObject *attr_of(PyObject *item, PyObject *name, PyTypeObject **type, PyGetSetDef **getter) {
+    PyTypeObject *tp = Py_TYPE(item);
+    if (tp != *type) {
+        Py_XDECREF(*type);
+        Py_INCREF(tp);
+        *type = tp;
+        *getter = NULL;
+        PyObject *descr = tp->tp_getattro == PyObject_GenericGetAttr ? _PyType_Lookup(tp, name) : NULL;
+        if (descr != NULL && Py_IS_TYPE(descr, &PyGetSetDescr_Type) && ((PyGetSetDescrObject *)descr)->d_getset->get)
+            *getter = ((PyGetSetDescrObject *)descr)->d_getset;
+    }
+    if (*getter != NULL) return (*getter)->get(item, (*getter)->closure);
+    return PyObject_GetAttr(item, name);
+}
+
 static PyObject *same_attr(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 || !PyUnicode_Check(args[1])) {
         PyErr_SetString(PyExc_TypeError, "same_attr takes a sequence and an attribute name");
@@ -371,17 +389,16 @@ static PyObject *same_attr(PyObject *self, PyObject *const *args, Py_ssize_t nar
     }
     PyObject *items = PySequence_Fast(args[0], "same_attr takes a sequence"), *name = args[1], *first = NULL;
     if (items == NULL) return NULL;
+    PyObject *result = NULL;
+    PyTypeObject *type = NULL;
+    PyGetSetDef *getter = NULL;
     /* The size is read afresh at every step: a getter may run Python code that changes a list. */
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(items); i++) {
         PyObject *item = PySequence_Fast_GET_ITEM(items, i);
         Py_INCREF(item);
-        PyObject *value = PyObject_GetAttr(item, name);
+        PyObject *value = attr_of(item, name, &type, &getter);
         Py_DECREF(item);
-        if (value == NULL) {
-            Py_XDECREF(first);
-            Py_DECREF(items);
-            return NULL;
-        }
+        if (value == NULL) goto done;
         if (first == NULL) {
             first = value;
             continue;
@@ -389,14 +406,16 @@ static PyObject *same_attr(PyObject *self, PyObject *const *args, Py_ssize_t nar
         int same = value == first;
         Py_DECREF(value);
         if (!same) {
-            Py_DECREF(first);
-            Py_DECREF(items);
-            Py_RETURN_NONE;
+            result = Py_NewRef(Py_None);
+            goto done;
         }
     }
+    result = first != NULL ? Py_NewRef(first) : Py_NewRef(Py_None);
+done:
+    Py_XDECREF(type);
+    Py_XDECREF(first);
     Py_DECREF(items);
-    if (first == NULL) Py_RETURN_NONE;
-    return first;
+    return result;
 }
 
 static PyMethodDef methods[] = {

@@ -19,7 +19,8 @@ Each round checks what the functions promise, not only that they survive:
   ValueError for offsets outside the blob, or hands the key to ``_item``; ``plain_value``
   agrees with a Python model on random nested values;
 - ``read_slot`` over headers pointing anywhere: ValueError, or leaves inside the data region and
-  a lone flag that is right; ``same_attr`` over getters that raise or empty the caller's list;
+  a lone flag that is right; ``same_attr`` over getters that raise or empty the caller's list,
+  and over builtin types' getters (called directly) answering as getattr does;
 - the synchronisation calls (``sem_*``, ``load_acquire``, ``store_*``, ``collect``,
   ``post_task``, ``publish``) refuse offsets outside the buffer or misaligned, with
   ValueError, and leave the bytes around their target untouched.
@@ -174,6 +175,11 @@ def fuzz_same_attr(native: Any, rng: random.Random, g: Guarded) -> None:
     except AttributeError:
         return
     assert got in (None, "a", "b"), got
+    # Builtin types' getters, called directly once per type run: the answer getattr gives.
+    mixed = [rng.choice([1, 2, True, 1.5, 2**70]) for _ in range(rng.randrange(0, 6))]
+    values = [v.real for v in mixed]
+    want = values[0] if values and all(v is values[0] for v in values) else None
+    assert native.same_attr(mixed, "real") is want, (mixed, want)
 
 
 class Emptying:

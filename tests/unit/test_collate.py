@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils.data import default_collate, default_convert
 
+from shmloader import _native
 from shmloader._collate import SlotWriter, slot_collate_map
 from shmloader._layout import Field, RingGeometry, grown_slot_bytes, slot_data_bytes
 from shmloader._lease import copy_leaf, read_batch
@@ -93,6 +94,32 @@ def test_mixed_dtypes_promote_like_default_collate() -> None:
     samples = [torch.tensor([1], dtype=torch.int64), torch.tensor([1.5], dtype=torch.float64)]
     out, _ = round_trip(samples, fused=True)
     same(out, default_collate(samples))
+
+
+class _HalfTensor(torch.Tensor):
+    """A tensor subclass that says another dtype (a property shadows the getter)."""
+
+    @property
+    def dtype(self) -> torch.dtype:  # type: ignore[override]
+        return torch.float16
+
+
+class _Intercepting:
+    def __getattribute__(self, name: str) -> Any:
+        return torch.float32 if name == "dtype" else object.__getattribute__(self, name)
+
+
+def test_same_dtype_check_answers_as_getattr() -> None:
+    """The fused collate's one-dtype check calls a type's dtype getter directly: whatever a
+    subclass or an instance says instead is still what it reads."""
+    plain = [torch.zeros(2, dtype=torch.float32) for _ in range(3)]
+    assert _native.same_attr(plain, "dtype") is torch.float32
+    assert _native.same_attr(plain + [torch.zeros(2).as_subclass(_HalfTensor)], "dtype") is None
+    assert _native.same_attr([torch.zeros(2).as_subclass(_HalfTensor)] * 2, "dtype") is torch.float16
+    assert _native.same_attr(plain + [_Intercepting()], "dtype") is torch.float32
+    assert _native.same_attr([1, 1, 1], "real") == 1  # a builtin type's getter
+    with pytest.raises(AttributeError):
+        _native.same_attr(plain + [object()], "dtype")
 
 
 def test_unequal_shapes_raise_torchs_error() -> None:
