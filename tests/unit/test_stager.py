@@ -177,3 +177,33 @@ def test_async_for_waits_for_device_copies_without_blocking_the_loop(
     assert got == [list(range(i, i + 4)) for i in range(0, 40, 4)]
     assert len(GatedEvent.made) == 10 and all(e.done for e in GatedEvent.made)
     assert ticks >= 10
+
+
+class InstantEvent(FakeEvent):
+    """A copy that has completed as soon as it is recorded."""
+
+    def record(self, stream: Any) -> None:
+        super().record(stream)
+        self.done = True
+
+
+@pytest.mark.parametrize("prefetch_factor", [1, 2])
+def test_device_delivery_dispatches_again_after_staging(
+    fake_cuda: FakeStream, monkeypatch: pytest.MonkeyPatch, prefetch_factor: int
+) -> None:
+    # Batches staged for their device copy leave the tasks, as a delivered one does: the
+    # next task is dispatched in the same next(), so the step runs with num_workers *
+    # prefetch_factor batches drawn ahead (torch's count), never more.
+    import shmloader
+    from tests.integration.test_semantics import ahead
+
+    monkeypatch.setattr(torch.cuda, "Event", InstantEvent)
+    monkeypatch.setattr(_device, "register_host", lambda mm, nbytes, cudart=None: False)
+
+    def make(dataset: Any, **kwargs: Any) -> Any:
+        loader = shmloader.DataLoader(dataset, **kwargs)
+        loader._shm_device = torch.device("cpu")  # device= without CUDA, its streams faked
+        return loader
+
+    seen = ahead(make, False, prefetch_factor)
+    assert max(seen) == 2 * prefetch_factor, seen
