@@ -1,0 +1,114 @@
+"""Where the CPUs go per batch: user and system time and context switches of the main
+process and of the workers, for limit_probe's bare ring and for shmloader, on limit_probe's
+workloads (2 workers, prefetch 2, persistent).
+
+Per row: batches/s, then per batch the main process's user and system µs, its voluntary
+(slept) and involuntary (preempted) context switches, and the same summed over the workers.
+Read from /proc (clock ticks: a run of several epochs is needed for the µs to mean much).
+
+Experiments (shmloader rows only):
+  --extra-us N    add N µs of busy work to every next() (does the main process set the pace?)
+  --yields N      the main process's yield bound (shmloader._consume.MAX_YIELDS; 0: sleep at once)
+  --sched-batch   run the workers under SCHED_BATCH (no wake-up preemption of the main process)
+
+Usage: python bench/cpu_split.py tiny,tokens [--which bare|shml|both] [--epochs 5] [...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "shared" / "bench"))
+import limit_probe as lp  # noqa: E402
+
+import shmloader  # noqa: E402
+from shmloader import _consume, _worker  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def sample(pid: int) -> tuple[float, ...]:
+    """(voluntary switches, involuntary switches, user s, system s) of ``pid``."""
+    vol = inv = 0
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("voluntary_ctxt_switches"):
+                vol = int(line.split()[1])
+            elif line.startswith("nonvoluntary_ctxt_switches"):
+                inv = int(line.split()[1])
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return vol, inv, int(fields[11]) / TICK, int(fields[12]) / TICK
+
+
+def measure(label: str, epoch: Callable[[], Any], pids: list[int], epochs: int) -> None:
+    workers0, main0, began = [sample(p) for p in pids], sample(os.getpid()), time.perf_counter()
+    n = sum(sum(1 for _ in epoch()) for _ in range(epochs))
+    wall = time.perf_counter() - began
+    workers1, main1 = [sample(p) for p in pids], sample(os.getpid())
+    main = [(b - a) / n for a, b in zip(main0, main1)]
+    work = [sum(w1[i] - w0[i] for w0, w1 in zip(workers0, workers1)) / n for i in range(4)]
+    print(f"{label}: {n / wall:7.0f} b/s | main usr {main[2] * 1e6:4.1f} sys {main[3] * 1e6:4.1f} µs, "
+          f"slept {main[0]:.2f} preempted {main[1]:.2f} | workers usr {work[2] * 1e6:4.1f} sys {work[3] * 1e6:4.1f} µs, "
+          f"slept {work[0]:.2f} preempted {work[1]:.2f}", flush=True)
+
+
+def experiments(args: argparse.Namespace) -> None:
+    if args.yields is not None:
+        _consume.MAX_YIELDS = args.yields
+        _consume.MIN_YIELDS = min(_consume.MIN_YIELDS, args.yields)
+    if args.extra_us:
+        extra, plain_next, clock = args.extra_us * 1e-6, _consume.RingIterator.__next__, time.perf_counter
+
+        def slower_next(self: Any) -> Any:
+            until = clock() + extra
+            while clock() < until:
+                pass
+            return plain_next(self)
+
+        _consume.RingIterator.__next__ = slower_next  # type: ignore[method-assign]
+    if args.sched_batch:
+        plain_init = _worker._init
+
+        def batch_init(cfg: Any) -> Any:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+            return plain_init(cfg)
+
+        _worker._init = batch_init  # workers fork after this: they run it
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("workloads", help="comma-separated: tiny,tokens,image")
+    parser.add_argument("--which", choices=["bare", "shml", "both"], default="both")
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--extra-us", type=float, default=0.0)
+    parser.add_argument("--yields", type=int)
+    parser.add_argument("--sched-batch", action="store_true")
+    args = parser.parse_args()
+    experiments(args)
+    for name in args.workloads.split(","):
+        shape, dtype, bs, n = lp.WORK[name]
+        ds = lp.Tagged(shape, dtype, n * bs)
+        if args.which in ("both", "bare"):
+            ring = lp.Ring(ds, bs, shape, dtype)
+            for _ in ring.epoch():
+                pass
+            measure(f"{name} bare ring", ring.epoch, ring.pids, args.epochs)
+            ring.close()
+        if args.which in ("both", "shml"):
+            loader = shmloader.DataLoader(ds, batch_size=bs, num_workers=2, prefetch_factor=2, persistent_workers=True)
+            it = iter(loader)
+            for _ in it:
+                pass
+            measure(f"{name} shmloader", lambda: iter(loader), [p.pid for p in it._pool.procs], args.epochs)
+            it._shutdown_workers()
+
+
+if __name__ == "__main__":
+    main()
