@@ -47,7 +47,7 @@ MAIN_STEPS = [
     (_stats.Counters, "returned", "counters (telemetry), second half"),
 ]
 WORKER_STEPS = [
-    (_ring.AttachedRing, "next_task", "wait for a task (task semaphore)"),
+    (_ring.AttachedRing, "take_task", "wait for a task and read it (task semaphore, header, index)"),
     (_worker._Producer, "_samples", "fetch samples (__getitem__)"),
     (_collate, "_stack_into_slot", "stack into the slot (torch.stack out=)"),
     (_collate.SlotWriter, "finish", "skeleton and leaf table"),

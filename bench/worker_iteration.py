@@ -1,5 +1,5 @@
 """A worker's per-batch cost, hot, in one process: one iteration of the worker loop (task
-read, index decode, fetch, collate into the slot, skeleton, publish) on a ring without a peer,
+read and index decode, fetch, collate into the slot, skeleton, publish) on a ring without a peer,
 against limit_probe's bare-ring worker (a list of samples, ``torch.stack(out=)``), and the
 parts of the iteration on their own. limit_probe's workloads; µs, best of seven.
 
@@ -21,7 +21,7 @@ import limit_probe as lp  # noqa: E402
 
 from shmloader import _native, _worker  # noqa: E402
 from shmloader._collate import SlotWriter, slot_collate_map  # noqa: E402
-from shmloader._dispatch import decode_index, encode_index  # noqa: E402
+from shmloader._dispatch import encode_index  # noqa: E402
 from shmloader._layout import RingGeometry  # noqa: E402
 from shmloader._ring import AttachedRing, Ring  # noqa: E402
 
@@ -47,11 +47,9 @@ def main() -> None:
 
     def iteration() -> None:
         ring.post_task(0, 1, 0, 7, payload, task_len)  # the main process's part, ~0.3 µs
-        slot = worker.next_task(0.5)
-        assert slot is not None
-        hdr = worker.headers[slot]
-        epoch, seq = hdr[_worker._EPOCH], hdr[_worker._SEQ]
-        idx = decode_index(worker.whole, worker.data_offsets[slot], worker.data_bytes, hdr[_worker._TASK_LEN])
+        task = worker.take_task(0.5)
+        assert type(task) is tuple
+        slot, epoch, seq, idx = task
         began = time.monotonic_ns()
         writer.begin(worker.data_offsets[slot], worker.data_bytes)
         outcome, batch = producer.produce(epoch, idx, writer, fn_map)

@@ -449,6 +449,7 @@ static int add_itemsizes(PyObject *m) {
 
 extern PyMethodDef shmloader_sync_methods[]; /* native/_sync.c */
 extern const int shmloader_sem_stride;
+extern const int shmloader_task_fields[3];
 int shmloader_share_init(PyObject *module); /* native/_share.c */
 
 PyMODINIT_FUNC PyInit__native(void) {
@@ -465,6 +466,8 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddIntConstant(m, "N_HEADER_FIELDS", N_HEADER_FIELDS) < 0 ||
         PyModule_AddObject(m, "READ_SLOT_FIELDS", Py_BuildValue("(iiii)", F_TABLE_OFF, F_TABLE_LEN, F_PICKLED_OFF,
                                                                   F_PICKLED_LEN)) < 0 ||
+        PyModule_AddObject(m, "TAKE_TASK_FIELDS", Py_BuildValue("(iii)", shmloader_task_fields[0],
+                                                                  shmloader_task_fields[1], shmloader_task_fields[2])) < 0 ||
         add_itemsizes(m) < 0 || shmloader_share_init(m) < 0) {
         Py_DECREF(m);
         return NULL;

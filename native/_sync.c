@@ -21,6 +21,10 @@
 #include <time.h>
 
 #define SEM_STRIDE 64 /* bytes reserved per semaphore in the control area */
+/* The task's header fields take_task reads (shmloader._layout.Field checks them at import). */
+#define F_EPOCH 1
+#define F_SEQ 2
+#define F_TASK_LEN 3
 _Static_assert(sizeof(sem_t) <= SEM_STRIDE, "sem_t must fit its reserved bytes");
 
 /* The address at `offset` in a writable buffer, for an object of `size` bytes aligned to
@@ -85,15 +89,10 @@ PyDoc_STRVAR(sem_wait_doc,
 "most timeout seconds otherwise. Returns True when a token was taken, False on timeout.\n"
 "A signal during the wait runs Python's handlers (their exception propagates).");
 
-static PyObject *py_sem_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Py_ssize_t offset;
-    Py_buffer view;
-    if (!nargs_is("sem_wait", nargs, 3) || !as_ssize(args[1], &offset)) return NULL;
-    double timeout = PyFloat_AsDouble(args[2]);
-    if (timeout == -1.0 && PyErr_Occurred()) return NULL;
-    char *p = at(args[0], &view, offset, SEM_STRIDE, 8);
-    if (p == NULL) return NULL;
-    sem_t *sem = (sem_t *)p;
+/* Take one token of `sem`: at once when `timeout` <= 0, else waiting at most `timeout` s with
+   the GIL released. 1: taken; 0: none in time; -1: an exception is set (a signal handler
+   raised, or the wait failed). */
+static int wait_token(sem_t *sem, double timeout) {
     int rc, err = 0;
     if (timeout <= 0) {
         rc = sem_trywait(sem);
@@ -114,17 +113,28 @@ static PyObject *py_sem_wait(PyObject *self, PyObject *const *args, Py_ssize_t n
             err = rc ? errno : 0;
             Py_END_ALLOW_THREADS
             if (rc == 0 || err != EINTR) break;
-            if (PyErr_CheckSignals() < 0) {
-                PyBuffer_Release(&view);
-                return NULL;
-            }
+            if (PyErr_CheckSignals() < 0) return -1;
         }
     }
-    PyBuffer_Release(&view);
-    if (rc == 0) Py_RETURN_TRUE;
-    if (err == EAGAIN || err == ETIMEDOUT || err == EINTR) Py_RETURN_FALSE;
+    if (rc == 0) return 1;
+    if (err == EAGAIN || err == ETIMEDOUT || err == EINTR) return 0;
     errno = err;
-    return PyErr_SetFromErrno(PyExc_OSError);
+    PyErr_SetFromErrno(PyExc_OSError);
+    return -1;
+}
+
+static PyObject *py_sem_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t offset;
+    Py_buffer view;
+    if (!nargs_is("sem_wait", nargs, 3) || !as_ssize(args[1], &offset)) return NULL;
+    double timeout = PyFloat_AsDouble(args[2]);
+    if (timeout == -1.0 && PyErr_Occurred()) return NULL;
+    char *p = at(args[0], &view, offset, SEM_STRIDE, 8);
+    if (p == NULL) return NULL;
+    int taken = wait_token((sem_t *)p, timeout);
+    PyBuffer_Release(&view);
+    if (taken < 0) return NULL;
+    return PyBool_FromLong(taken);
 }
 
 PyDoc_STRVAR(load_acquire_doc,
@@ -331,7 +341,86 @@ fail:
     return NULL;
 }
 
+PyDoc_STRVAR(take_task_doc,
+"take_task($module, buffer, sem, entry, headers, data, cap, timeout, /)\n--\n\n"
+"A worker's next task in one call: take a token of the semaphore at buffer[sem] (as sem_wait),\n"
+"then read the queue entry at buffer[entry]. Returns None on timeout; the entry itself when it\n"
+"is negative (stop, attach to a grown ring); otherwise (slot, epoch, seq, index), read from\n"
+"the slot's header at buffer[headers[slot]] and its data region at buffer[data[slot]] of `cap`\n"
+"bytes: index is the list of ints of a TASK_LEN of -2 - n, the pickled bytes of a TASK_LEN >= 0,\n"
+"None for -1 (the index comes over the worker's connection). Lengths are clamped to `cap`.");
+
+static PyObject *py_take_task(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t sem_off, entry, cap;
+    Py_buffer view;
+    if (!nargs_is("take_task", nargs, 7) || !as_ssize(args[1], &sem_off) || !as_ssize(args[2], &entry) ||
+        !as_ssize(args[5], &cap))
+        return NULL;
+    PyObject *headers = args[3], *datas = args[4];
+    if (!PyTuple_Check(headers) || !PyTuple_Check(datas) || PyTuple_GET_SIZE(headers) != PyTuple_GET_SIZE(datas)) {
+        PyErr_SetString(PyExc_TypeError, "take_task() takes two tuples of offsets of one length");
+        return NULL;
+    }
+    double timeout = PyFloat_AsDouble(args[6]);
+    if (timeout == -1.0 && PyErr_Occurred()) return NULL;
+    char *sem = at(args[0], &view, sem_off, SEM_STRIDE, 8);
+    if (sem == NULL) return NULL;
+    PyObject *result = NULL;
+    if (!fits(&view, entry, 8) || cap < 0) {
+        PyErr_SetString(PyExc_ValueError, "take_task: an offset lies outside the buffer or is misaligned");
+        goto release;
+    }
+    int taken = wait_token((sem_t *)sem, timeout);
+    if (taken <= 0) {
+        if (taken == 0) result = Py_NewRef(Py_None);
+        goto release;
+    }
+    int64_t slot = *(int64_t *)((char *)view.buf + entry);
+    if (slot < 0) {
+        result = PyLong_FromLongLong(slot);
+        goto release;
+    }
+    if (slot >= PyTuple_GET_SIZE(headers)) {
+        PyErr_Format(PyExc_ValueError, "take_task: queue entry %lld is not a slot of %zd", (long long)slot,
+                     PyTuple_GET_SIZE(headers));
+        goto release;
+    }
+    Py_ssize_t header = PyLong_AsSsize_t(PyTuple_GET_ITEM(headers, slot));
+    Py_ssize_t data = PyLong_AsSsize_t(PyTuple_GET_ITEM(datas, slot));
+    if ((header == -1 || data == -1) && PyErr_Occurred()) goto release;
+    if (!fits(&view, header, (F_TASK_LEN + 1) * 8) || data < 0 || data > view.len - cap) {
+        PyErr_SetString(PyExc_ValueError, "take_task: a slot's offsets lie outside the buffer or are misaligned");
+        goto release;
+    }
+    const int64_t *h = (const int64_t *)((char *)view.buf + header);
+    int64_t epoch = h[F_EPOCH], seq = h[F_SEQ], task_len = h[F_TASK_LEN];
+    const char *payload = (const char *)view.buf + data;
+    PyObject *index;
+    if (task_len >= 0) {
+        index = PyBytes_FromStringAndSize(payload, (Py_ssize_t)(task_len < cap ? task_len : cap));
+    } else if (task_len == -1) {
+        index = Py_NewRef(Py_None);
+    } else {
+        /* -2 - n: n int64 values (the count clamped to what the data region holds) */
+        uint64_t n = (uint64_t)(-(task_len + 2));
+        if (n > (uint64_t)(cap / 8)) n = (uint64_t)(cap / 8);
+        index = PyList_New((Py_ssize_t)n);
+        for (Py_ssize_t i = 0; index != NULL && i < (Py_ssize_t)n; i++) {
+            int64_t v;
+            memcpy(&v, payload + 8 * i, 8);
+            PyObject *item = PyLong_FromLongLong(v);
+            if (item == NULL) Py_CLEAR(index);
+            else PyList_SET_ITEM(index, i, item);
+        }
+    }
+    if (index != NULL) result = Py_BuildValue("(LLLN)", (long long)slot, (long long)epoch, (long long)seq, index);
+release:
+    PyBuffer_Release(&view);
+    return result;
+}
+
 PyMethodDef shmloader_sync_methods[] = {
+    {"take_task", (PyCFunction)(void (*)(void))py_take_task, METH_FASTCALL, take_task_doc},
     {"collect", (PyCFunction)(void (*)(void))py_collect, METH_FASTCALL, collect_doc},
     {"post_task", py_post_task, METH_VARARGS, post_task_doc},
     {"publish", py_publish, METH_VARARGS, publish_doc},
@@ -344,3 +433,4 @@ PyMethodDef shmloader_sync_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 const int shmloader_sem_stride = SEM_STRIDE;
+const int shmloader_task_fields[3] = {F_EPOCH, F_SEQ, F_TASK_LEN};

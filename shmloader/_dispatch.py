@@ -20,20 +20,13 @@ from ._ring import Ring
 
 def encode_index(index: Any) -> tuple[bytes, int]:
     """An index's bytes and its TASK_LEN: a list of ints (a batch sampler's) as int64 values,
-    anything else pickled. The worker decodes either to an equal object of the same types."""
+    anything else pickled. The worker reads either back (``_native.take_task``) as an equal
+    object of the same types."""
     packed = _native.pack_ints(index)
     if packed is not None:
         return packed, -2 - len(index)
     payload = pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
     return payload, len(payload)
-
-
-def decode_index(whole: memoryview, start: int, limit: int, task_len: int) -> Any:
-    """The index ``encode_index`` wrote at ``whole[start:]`` (a slot's data region of ``limit``
-    bytes)."""
-    if task_len >= 0:
-        return pickle.loads(whole[start : start + min(task_len, limit)])
-    return whole[start : start + min(8 * (-2 - task_len), limit)].cast("q").tolist()
 
 
 class Dispatcher:

@@ -67,8 +67,9 @@ class Field:
 
 
 N_FIELDS: Final = 16
-# The fields _native.read_slot reads (fixed in native/_native.c): checked here, once.
+# The fields _native.read_slot and _native.take_task read (fixed in native/): checked here, once.
 assert (Field.TABLE_OFF, Field.TABLE_LEN, Field.PICKLED_OFF, Field.PICKLED_LEN) == _native.READ_SLOT_FIELDS
+assert (Field.EPOCH, Field.SEQ, Field.TASK_LEN) == _native.TAKE_TASK_FIELDS
 assert N_FIELDS == _native.N_HEADER_FIELDS
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from typing import Any
 
 import numpy as np
 
@@ -134,7 +135,8 @@ class AttachedRing(_Views):
     def __init__(self, geometry: RingGeometry, mm: mmap.mmap, worker_id: int) -> None:
         super().__init__(geometry, mm)
         self.worker_id = worker_id
-        self.queue = self.queues[worker_id]
+        self._task_sem, self._queue = self.task_sems[worker_id], self.queue_offsets[worker_id]
+        self._header_offsets, self._data_offsets = tuple(self.header_offsets), tuple(self.data_offsets)
         self._head = 0
 
     @classmethod
@@ -152,10 +154,14 @@ class AttachedRing(_Views):
         return bool(_native.publish(self.mm, self.header_offsets[slot], Field.STATUS, results, self.state_offsets[slot],
                                     DONE, self.ready_sem, self.doorbell_flag))
 
-    def next_task(self, timeout: float) -> int | None:
-        """The next slot queued for this worker (or STOP_TASK, RESIZE_TASK), None on timeout."""
-        if not _native.sem_wait(self.mm, self.task_sems[self.worker_id], timeout):
-            return None
-        slot = self.queue[self._head % self.queue_len]
-        self._head += 1
-        return slot
+    def take_task(self, timeout: float) -> None | int | tuple[int, int, int, Any]:
+        """The next task queued for this worker, in one native call: (slot, epoch, seq, index),
+        where index is the batch sampler's list of ints, the pickled index's bytes, or None (it
+        comes over the connection: ``Field.TASK_LEN``); a negative queue entry (STOP_TASK,
+        RESIZE_TASK) as it is; None when nothing came within ``timeout`` s."""
+        entry = self._queue + (self._head % self.queue_len) * 8
+        task = _native.take_task(self.mm, self._task_sem, entry, self._header_offsets, self._data_offsets,
+                                 self.data_bytes, timeout)
+        if task is not None:
+            self._head += 1
+        return task

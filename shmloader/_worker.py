@@ -39,8 +39,7 @@ from multiprocessing import reduction
 from torch.utils.data._utils import worker as torch_worker
 
 from ._collate import SlotWriter, slot_collate_map
-from ._dispatch import decode_index
-from ._layout import RESIZE_TASK, Counter, Field, Region, RingGeometry, Status
+from ._layout import RESIZE_TASK, Counter, Region, RingGeometry, Status
 from ._ring import AttachedRing
 
 _ONE = struct.pack("=Q", 1)
@@ -81,7 +80,6 @@ def _ok(needed: int) -> Outcome:
     """``Outcome(Status.OK, needed)``, made at tuple speed (one per batch)."""
     return _tuple_new(Outcome, (_OK, needed, None))
 
-_EPOCH, _SEQ, _TASK_LEN = Field.EPOCH, Field.SEQ, Field.TASK_LEN
 _BUSY_NS, _BATCHES = Counter.BUSY_NS, Counter.BATCHES
 
 
@@ -485,12 +483,14 @@ def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: _Producer, mailbox: 
     writer = SlotWriter(ring.mm)
     fn_map = slot_collate_map(writer)
     while True:
-        slot = ring.next_task(cfg.parent_check_s)
-        if slot is None:
+        task = ring.take_task(cfg.parent_check_s)
+        if task is None:
             if not mailbox.parent.alive():
                 return
             continue
-        if slot == RESIZE_TASK:
+        if isinstance(task, int):
+            if task != RESIZE_TASK:
+                return  # STOP_TASK
             del writer, fn_map  # views of the old ring
             grown = _reattach(cfg, ring, mailbox)
             if grown is None:
@@ -499,18 +499,15 @@ def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: _Producer, mailbox: 
             writer = SlotWriter(ring.mm)
             fn_map = slot_collate_map(writer)
             continue
-        if slot < 0:
-            return
-        hdr = ring.headers[slot]
-        epoch, seq, task_len = hdr[_EPOCH], hdr[_SEQ], hdr[_TASK_LEN]
-        start = ring.data_offsets[slot]
-        if task_len != -1:
-            index = decode_index(ring.whole, start, ring.data_bytes, task_len)
-        else:  # the pickled index did not fit the slot: it came over the connection
+        slot, epoch, seq, index = task
+        if index is None:  # the pickled index did not fit the slot: it came over the connection
             msg = mailbox.expect("index", slot)
             if msg is None:
                 return
             index = pickle.loads(msg[2])
+        elif type(index) is bytes:
+            index = pickle.loads(index)
+        start = ring.data_offsets[slot]
         began = time.monotonic_ns()
         writer.begin(start, ring.data_bytes)
         batch = None

@@ -22,7 +22,7 @@ Each round checks what the functions promise, not only that they survive:
   a lone flag that is right; ``same_attr`` over getters that raise or empty the caller's list,
   and over builtin types' getters (called directly) answering as getattr does;
 - the synchronisation calls (``sem_*``, ``load_acquire``, ``store_*``, ``collect``,
-  ``post_task``, ``publish``) refuse offsets outside the buffer or misaligned, with
+  ``post_task``, ``publish``, ``take_task``) refuse offsets outside the buffer or misaligned, with
   ValueError, and leave the bytes around their target untouched.
 """
 
@@ -265,6 +265,7 @@ def fuzz_sync(native: Any, rng: random.Random, g: Guarded) -> None:
                                  data_offset(rng), data_offset(rng), rng.randrange(8), sem_offset(native, rng)),
         lambda: native.publish(g.view, data_offset(rng), rng.randrange(-2, 20), tuple(range(rng.randrange(14))),
                                data_offset(rng), 1, sem_offset(native, rng), data_offset(rng)),
+        lambda: take_task(native, rng, g),
     ]
     try:
         rng.choice(calls)()
@@ -282,6 +283,23 @@ def fuzz_sync(native: Any, rng: random.Random, g: Guarded) -> None:
     native.sem_post(g.view, sem)
     tokens, flags = native.collect(g.view, sem, (SEMS, SEMS + 8), 0)
     assert tokens == 1 and len(flags) == 2, (tokens, flags)
+
+
+def take_task(native: Any, rng: random.Random, g: Guarded) -> None:
+    """A queue entry and a task header with anything in them, at offsets good or bad: the task
+    read back stays inside the buffer."""
+    entry, header, data = data_offset(rng), data_offset(rng), data_offset(rng)
+    cap = rng.choice([0, 8, 64, 4096, SIZE, -8, rng.randrange(0, SIZE)])
+    for off, value in ((entry, rng.choice([-2, -1, 0, 1, 2, 2**40])),
+                       (header + 24, rng.choice([-1, 0, 7, -2, -3, -2 - 10**6, 2**62, -(2**63)]))):
+        if 0 <= off <= SIZE - 8 and off % 8 == 0 and off >= SEMS:
+            g.view[off : off + 8] = struct.pack("=q", value)
+    sem = sem_offset(native, rng)
+    native.sem_post(g.view, sem)
+    task = native.take_task(g.view, sem, entry, (header, header), (data, data), cap, 0.0)
+    if type(task) is tuple:
+        index = task[3]
+        assert index is None or len(index) <= max(cap, 0), (len(index), cap)
 
 
 def fuzz_pack(native: Any, rng: random.Random, g: Guarded) -> None:

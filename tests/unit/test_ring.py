@@ -5,8 +5,12 @@ in /dev/shm."""
 from __future__ import annotations
 
 import os
+import pickle
 
-from shmloader._layout import RingGeometry
+import pytest
+
+from shmloader._dispatch import encode_index
+from shmloader._layout import Field, RingGeometry
 from shmloader._ring import AttachedRing, Ring
 
 
@@ -17,7 +21,36 @@ def test_the_segment_has_no_name_and_attaches_through_its_fd() -> None:
         worker = AttachedRing.by_fd(ring.geometry, os.dup(ring.fd), 1)
         ring.headers[3][2] = 12345  # the same memory, seen from the worker's mapping
         assert worker.headers[3][2] == 12345
-        ring.push_task(1, 3)
-        assert worker.next_task(0.0) == 3
+        ring.push_task(1, -1)  # STOP_TASK
+        assert worker.take_task(0.0) == -1
+    finally:
+        ring.close()
+
+
+def test_a_task_reads_back_as_the_index_it_was_posted_with() -> None:
+    ring = Ring(RingGeometry(num_workers=2, num_slots=3, data_bytes=4096))
+    try:
+        worker = AttachedRing(ring.geometry, ring.mm, 1)
+        assert worker.take_task(0.0) is None  # nothing queued: no wait with timeout 0
+        indices = [list(range(5, 512 + 5)), [-(2**63), 2**63 - 1, 0], [], (1, 2), [True, 2], {"k": [1.5]},
+                   list(range(600))]  # the last: 4,800 bytes packed, more than the slot holds
+        for seq, index in enumerate(indices):
+            payload, task_len = encode_index(index)
+            if len(payload) > ring.data_bytes:
+                continue
+            ring.post_task(1, seq % 3, 7, seq, payload, task_len)
+            slot, epoch, got_seq, got = worker.take_task(0.0)  # type: ignore[misc]
+            got = pickle.loads(got) if type(got) is bytes else got
+            assert (slot, epoch, got_seq) == (seq % 3, 7, seq)
+            assert got == index and type(got) is type(index) and [type(v) for v in got] == [type(v) for v in index]
+        ring.headers[2][Field.TASK_LEN] = -1  # the index comes over the connection
+        ring.push_task(1, 2)
+        assert worker.take_task(0.0)[3] is None  # type: ignore[index]
+        ring.headers[2][Field.TASK_LEN] = -2 - 10**6  # a count past the slot: clamped to what it holds
+        ring.push_task(1, 2)
+        assert len(worker.take_task(0.0)[3]) == ring.data_bytes // 8  # type: ignore[arg-type, index]
+        ring.push_task(1, 3)  # not a slot of the ring
+        with pytest.raises(ValueError, match="queue entry 3 is not a slot of 3"):
+            worker.take_task(0.0)
     finally:
         ring.close()
