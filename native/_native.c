@@ -331,32 +331,6 @@ done:
     return out;
 }
 
-PyDoc_STRVAR(pack_ints_doc,
-"pack_ints($module, index, /)\n"
-"--\n\n"
-"The items of the list `index` as native int64 bytes, when every item is exactly an int\n"
-"(not a bool, not a numpy integer) that fits int64; None otherwise (the caller pickles it).\n"
-"A batch sampler's index travels this way: the worker reads back the same list of ints.");
-
-static PyObject *pack_ints(PyObject *self, PyObject *index) {
-    if (!PyList_CheckExact(index)) Py_RETURN_NONE;
-    Py_ssize_t n = PyList_GET_SIZE(index);
-    PyObject *out = PyBytes_FromStringAndSize(NULL, n * 8);
-    if (out == NULL) return NULL;
-    int64_t *dst = (int64_t *)PyBytes_AS_STRING(out);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PyList_GET_ITEM(index, i);
-        int overflow = 0;
-        long long v = PyLong_CheckExact(item) ? PyLong_AsLongLongAndOverflow(item, &overflow) : 0;
-        if (!PyLong_CheckExact(item) || overflow || PyList_GET_SIZE(index) != n) {
-            Py_DECREF(out);
-            Py_RETURN_NONE;
-        }
-        dst[i] = (int64_t)v;
-    }
-    return out;
-}
-
 PyDoc_STRVAR(same_attr_doc,
 "same_attr($module, items, name, /)\n"
 "--\n\n"
@@ -420,7 +394,6 @@ done:
 
 static PyMethodDef methods[] = {
     {"same_attr", (PyCFunction)(void (*)(void))same_attr, METH_FASTCALL, same_attr_doc},
-    {"pack_ints", pack_ints, METH_O, pack_ints_doc},
     {"encode_table", encode_table, METH_VARARGS, encode_table_doc},
     {"decode_table", decode_table, METH_VARARGS, decode_table_doc},
     {"read_slot", (PyCFunction)(void (*)(void))read_slot, METH_FASTCALL, read_slot_doc},

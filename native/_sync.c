@@ -21,7 +21,8 @@
 #include <time.h>
 
 #define SEM_STRIDE 64 /* bytes reserved per semaphore in the control area */
-/* The task's header fields take_task reads (shmloader._layout.Field checks them at import). */
+/* The task's header fields post_task writes and take_task reads, after STATE (field 0)
+   (shmloader._layout.Field checks them at import). */
 #define F_EPOCH 1
 #define F_SEQ 2
 #define F_TASK_LEN 3
@@ -195,46 +196,90 @@ static int store_ints(PyObject *seq, char *h) {
 }
 
 PyDoc_STRVAR(post_task_doc,
-"post_task($module, buffer, header, fields, payload, data, entry, slot, sem, /)\n--\n\n"
-"Hand a task to a worker in one call: store the int64 values of `fields` at buffer[header:]\n"
-"(the task's header fields, in order), copy `payload` (the pickled index) to buffer[data:],\n"
-"store `slot` at buffer[entry] (the worker's queue entry), then post the semaphore at\n"
-"buffer[sem] (a full barrier: the worker sees every write once it takes the token).");
+"post_task($module, buffer, header, epoch, seq, index, pickled, data, cap, entry, slot, sem, /)\n--\n\n"
+"Hand a task to a worker in one call. The index goes to buffer[data:data+cap]: with `pickled`\n"
+"false, `index` must be a list of exact ints that fit int64 (a batch sampler's), stored as\n"
+"int64 values (TASK_LEN -2 - n); with `pickled` true, `index` is the pickled index's bytes\n"
+"(TASK_LEN their length). Then the header at buffer[header:] gets IDLE, epoch, seq, TASK_LEN,\n"
+"buffer[entry] (the worker's queue entry) gets `slot`, and the semaphore at buffer[sem] is\n"
+"posted (a full barrier: the worker sees every write once it takes the token).\n"
+"Returns 1 when posted; 0 when the index does not fit `cap` bytes (nothing written); -1 when\n"
+"`index` is not such a list (nothing written: pickle it and call again).");
 
-static PyObject *py_post_task(PyObject *self, PyObject *args) {
-    PyObject *buffer, *fields;
-    Py_ssize_t header, data, entry, sem_off;
-    long long slot;
-    Py_buffer view, payload;
-    if (!PyArg_ParseTuple(args, "OnOy*nnLn", &buffer, &header, &fields, &payload, &data, &entry, &slot, &sem_off))
+static PyObject *py_post_task(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t header, data, cap, entry, sem_off;
+    long long epoch, seq, slot;
+    Py_buffer view;
+    if (!nargs_is("post_task", nargs, 11) || !as_ssize(args[1], &header) || !as_ssize(args[6], &data) ||
+        !as_ssize(args[7], &cap) || !as_ssize(args[8], &entry) || !as_ssize(args[10], &sem_off))
         return NULL;
-    PyObject *seq = PySequence_Fast(fields, "fields must be a sequence of ints");
-    if (seq == NULL) {
-        PyBuffer_Release(&payload);
-        return NULL;
+    epoch = PyLong_AsLongLong(args[2]);
+    seq = PyLong_AsLongLong(args[3]);
+    slot = PyLong_AsLongLong(args[9]);
+    if (PyErr_Occurred()) return NULL;
+    int pickled = PyObject_IsTrue(args[5]);
+    if (pickled < 0) return NULL;
+    PyObject *index = args[4];
+    if (pickled ? !PyBytes_Check(index) : !PyList_CheckExact(index)) {
+        if (pickled) {
+            PyErr_SetString(PyExc_TypeError, "post_task: a pickled index must be bytes");
+            return NULL;
+        }
+        return PyLong_FromLong(-1);
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    char *h = at(args[0], &view, header, (F_TASK_LEN + 1) * 8, 8);
+    if (h == NULL) return NULL;
     PyObject *result = NULL;
-    char *h = at(buffer, &view, header, n * 8, 8);
-    if (h == NULL) goto done;
-    if (!fits(&view, sem_off, SEM_STRIDE) || !fits(&view, entry, 8) || data < 0 || data > view.len - payload.len) {
+    if (!fits(&view, sem_off, SEM_STRIDE) || !fits(&view, entry, 8) || cap < 0 || data < 0 || data > view.len - cap) {
         PyErr_SetString(PyExc_ValueError, "post_task: an offset lies outside the buffer or is misaligned");
         goto release;
     }
-    if (store_ints(seq, h) < 0) goto release;
-    memcpy((char *)view.buf + data, payload.buf, (size_t)payload.len);
+    char *dst = (char *)view.buf + data;
+    int64_t task_len;
+    if (pickled) {
+        Py_ssize_t n = PyBytes_GET_SIZE(index);
+        if (n > cap) {
+            result = PyLong_FromLong(0);
+            goto release;
+        }
+        memcpy(dst, PyBytes_AS_STRING(index), (size_t)n);
+        task_len = n;
+    } else {
+        Py_ssize_t n = PyList_GET_SIZE(index);
+        /* Every item is checked before anything is written (no item runs Python code, so the
+           list cannot change under the loops): -1 for any list that is not all int64 ints,
+           whatever its size, so the caller's pickle can still fit. */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *item = PyList_GET_ITEM(index, i);
+            int overflow = 0;
+            if (!PyLong_CheckExact(item) || (PyLong_AsLongLongAndOverflow(item, &overflow), overflow)) {
+                result = PyLong_FromLong(-1);
+                goto release;
+            }
+        }
+        if (n > cap / 8) {
+            result = PyLong_FromLong(0);
+            goto release;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t v = (int64_t)PyLong_AsLongLong(PyList_GET_ITEM(index, i));
+            memcpy(dst + 8 * i, &v, 8);
+        }
+        task_len = -2 - (int64_t)n;
+    }
+    int64_t *fields = (int64_t *)h;
+    fields[0] = 0; /* STATE: IDLE */
+    fields[F_EPOCH] = (int64_t)epoch;
+    fields[F_SEQ] = (int64_t)seq;
+    fields[F_TASK_LEN] = task_len;
     *(int64_t *)((char *)view.buf + entry) = (int64_t)slot;
     if (sem_post((sem_t *)((char *)view.buf + sem_off)) != 0) {
         PyErr_SetFromErrno(PyExc_OSError);
         goto release;
     }
-    Py_INCREF(Py_None);
-    result = Py_None;
+    result = PyLong_FromLong(1);
 release:
     PyBuffer_Release(&view);
-done:
-    Py_DECREF(seq);
-    PyBuffer_Release(&payload);
     return result;
 }
 
@@ -422,7 +467,7 @@ release:
 PyMethodDef shmloader_sync_methods[] = {
     {"take_task", (PyCFunction)(void (*)(void))py_take_task, METH_FASTCALL, take_task_doc},
     {"collect", (PyCFunction)(void (*)(void))py_collect, METH_FASTCALL, collect_doc},
-    {"post_task", py_post_task, METH_VARARGS, post_task_doc},
+    {"post_task", (PyCFunction)(void (*)(void))py_post_task, METH_FASTCALL, post_task_doc},
     {"publish", py_publish, METH_VARARGS, publish_doc},
     {"store_fenced", (PyCFunction)(void (*)(void))py_store_fenced, METH_FASTCALL, store_fenced_doc},
     {"sem_init", (PyCFunction)(void (*)(void))py_sem_init, METH_FASTCALL, sem_init_doc},

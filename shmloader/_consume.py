@@ -44,7 +44,7 @@ import torch.autograd.profiler as _profiler
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
 from . import _checkpoint, _device
-from ._dispatch import Dispatcher, encode_index
+from ._dispatch import Dispatcher
 from ._errors import CorruptSlotError, MemoryBudgetError, WorkerDiedError
 from ._budget import plan_ring
 from ._layout import IDLE, PAGE, RESIZE_TASK, Counter, Field, Region, RingGeometry, Status, grown_slot_bytes, round_up
@@ -410,14 +410,17 @@ class RingIterator(_BaseDataLoaderIter):
 
     def _submit(self, slot: int, wid: int, seq: int, index: Any) -> None:
         """Write task ``seq`` into ``slot`` and wake worker ``wid``: one native call when its
-        index fits the slot (the common case); otherwise the index goes over the connection."""
+        index fits the slot (the common case: a batch sampler's list of ints, as int64 values;
+        anything else pickled); otherwise the index goes over the connection."""
         ring = self._ring
         assert ring is not None
-        payload, task_len = encode_index(index)
-        if len(payload) <= ring.data_bytes:
-            ring.post_task(wid, slot, self._table.epoch, seq, payload, task_len)
+        epoch = self._table.epoch
+        posted = ring.post_task(wid, slot, epoch, seq, index)
+        if posted < 0:  # not a list of ints
+            posted = ring.post_task(wid, slot, epoch, seq, pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL), True)
+        if posted:
             return
-        size = self._dispatcher.send_index(ring, slot, wid, self._table.epoch, seq, index,
+        size = self._dispatcher.send_index(ring, slot, wid, epoch, seq, index,
                                            functools.partial(self._pool.send, dead_ok=True))
         if size > ring.data_bytes:
             self._want_growth(size)

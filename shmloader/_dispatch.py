@@ -13,20 +13,8 @@ from __future__ import annotations
 import pickle
 from typing import Any, Callable
 
-from . import _native
 from ._layout import IDLE, Field
 from ._ring import Ring
-
-
-def encode_index(index: Any) -> tuple[bytes, int]:
-    """An index's bytes and its TASK_LEN: a list of ints (a batch sampler's) as int64 values,
-    anything else pickled. The worker reads either back (``_native.take_task``) as an equal
-    object of the same types."""
-    packed = _native.pack_ints(index)
-    if packed is not None:
-        return packed, -2 - len(index)
-    payload = pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
-    return payload, len(payload)
 
 
 class Dispatcher:

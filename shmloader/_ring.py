@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from . import _native, _shm
-from ._layout import DONE, IDLE, N_COUNTERS, N_FIELDS, RingGeometry, Field
+from ._layout import DONE, N_COUNTERS, N_FIELDS, RingGeometry, Field
 
 
 class _Views:
@@ -101,15 +101,18 @@ class Ring(_Views):
         self._tails[worker] += 1
         _native.sem_post(self.mm, self.task_sems[worker])
 
-    def post_task(self, worker: int, slot: int, epoch: int, seq: int, payload: bytes, task_len: int) -> None:
-        """Write a task (its header fields and the index's bytes ``payload``, which fit the
-        slot; ``task_len`` says how to read them, see ``Field.TASK_LEN``) into ``slot``, queue
-        it for ``worker`` and wake it: one native call."""
+    def post_task(self, worker: int, slot: int, epoch: int, seq: int, index: Any, pickled: bool = False) -> int:
+        """Write task ``seq`` into ``slot`` (its header fields and its index: a list of ints as
+        int64 values, or with ``pickled`` the pickled index's bytes; see ``Field.TASK_LEN``),
+        queue it for ``worker`` and wake it: one native call. Returns 1 when posted, 0 when the
+        index does not fit the slot, -1 when ``index`` is not a list of ints (pickle it)."""
         tail = self._tails[worker]
-        self._tails[worker] = tail + 1
         entry = self.queue_offsets[worker] + (tail % self.queue_len) * 8
-        _native.post_task(self.mm, self.header_offsets[slot], (IDLE, epoch, seq, task_len), payload,
-                          self.data_offsets[slot], entry, slot, self.task_sems[worker])
+        posted: int = _native.post_task(self.mm, self.header_offsets[slot], epoch, seq, index, pickled,
+                                        self.data_offsets[slot], self.data_bytes, entry, slot, self.task_sems[worker])
+        if posted == 1:
+            self._tails[worker] = tail + 1
+        return posted
 
     def renew_queue(self, worker: int) -> None:
         """An empty queue and a fresh task semaphore for ``worker``: its process died, maybe

@@ -12,8 +12,9 @@ Each round checks what the functions promise, not only that they survive:
 - ``encode_table`` round-trips through ``decode_table``; malformed entries (lists, negative
   or huge dimensions, unknown codes, a dimension whose ``__index__`` empties the caller's list)
   raise TypeError or ValueError, never write past ``limit``;
-- ``pack_ints`` packs a list of exact ints that fit int64, and refuses anything else (bools,
-  floats, tuples, ints out of range) with None;
+- ``post_task`` stores a list of exact ints that fit int64 as int64 values and reads back
+  through ``take_task`` as the same list; anything else (bools, floats, tuples, ints out of
+  range) it refuses with -1, an index larger than the data region with 0, queueing nothing;
 - ``Items`` (the shared list's reader) refuses tables outside its buffer with ValueError; over
   random offset and code tables, ``items[i]`` returns the marshalled element, raises
   ValueError for offsets outside the blob, or hands the key to ``_item``; ``plain_value``
@@ -261,8 +262,9 @@ def fuzz_sync(native: Any, rng: random.Random, g: Guarded) -> None:
         lambda: native.store_fenced(g.view, data_offset(rng), rng.randrange(-(2**63), 2**63)),
         lambda: native.collect(g.view, sem_offset(native, rng),
                                tuple(rng.choice([data_offset(rng), sem_offset(native, rng)]) for _ in range(rng.randrange(5))), 1),
-        lambda: native.post_task(g.view, data_offset(rng), tuple(range(rng.randrange(6))), rng.randbytes(rng.randrange(200)),
-                                 data_offset(rng), data_offset(rng), rng.randrange(8), sem_offset(native, rng)),
+        lambda: native.post_task(g.view, data_offset(rng), 1, 2, rng.randbytes(rng.randrange(200)), True, data_offset(rng),
+                                 rng.choice([0, 64, 4096, SIZE, -8]), data_offset(rng), rng.randrange(8),
+                                 sem_offset(native, rng)),
         lambda: native.publish(g.view, data_offset(rng), rng.randrange(-2, 20), tuple(range(rng.randrange(14))),
                                data_offset(rng), 1, sem_offset(native, rng), data_offset(rng)),
         lambda: take_task(native, rng, g),
@@ -306,12 +308,22 @@ def fuzz_pack(native: Any, rng: random.Random, g: Guarded) -> None:
     items = [rng.choice([0, -1, 2**63 - 1, -(2**63), 2**63, -(2**63) - 1, 10**30, True, 1.0, "1", None,
                          rng.randrange(-(2**70), 2**70)]) for _ in range(rng.randrange(0, 40))]
     index: Any = items if rng.random() < 0.9 else tuple(items)
-    packed = native.pack_ints(index)
+    sem, header, entry, data = 0, SEMS, SEMS + 256, SEMS + 512
+    cap = rng.choice([0, 8, 64, 256, 512])
+    while native.sem_wait(g.view, sem, 0.0):
+        pass
+    posted = native.post_task(g.view, header, 3, 4, index, False, data, cap, entry, 1, sem)
     exact = type(index) is list and all(type(v) is int and -(2**63) <= v < 2**63 for v in items)
-    if exact:
-        assert packed == struct.pack(f"<{len(items)}q", *items), (items, packed)
+    if not exact:
+        assert posted == -1, (items, posted)
+    elif 8 * len(items) > cap:
+        assert posted == 0, (items, cap, posted)
     else:
-        assert packed is None, (items, packed)
+        assert posted == 1 and bytes(g.view[data : data + 8 * len(items)]) == struct.pack(f"={len(items)}q", *items)
+        task = native.take_task(g.view, sem, entry, (0, header), (0, data), cap, 0.0)
+        assert task == (1, 3, 4, items), (task, items)
+        return
+    assert not native.sem_wait(g.view, sem, 0.0)  # nothing was queued
 
 
 def plain_model(v: Any, depth: int = 0, seen: list[Any] | None = None) -> bool:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import os
 import pickle
+from typing import Any
 
 import pytest
 
-from shmloader._dispatch import encode_index
 from shmloader._layout import Field, RingGeometry
 from shmloader._ring import AttachedRing, Ring
 
@@ -32,17 +32,23 @@ def test_a_task_reads_back_as_the_index_it_was_posted_with() -> None:
     try:
         worker = AttachedRing(ring.geometry, ring.mm, 1)
         assert worker.take_task(0.0) is None  # nothing queued: no wait with timeout 0
-        indices = [list(range(5, 512 + 5)), [-(2**63), 2**63 - 1, 0], [], (1, 2), [True, 2], {"k": [1.5]},
-                   list(range(600))]  # the last: 4,800 bytes packed, more than the slot holds
+        indices: list[Any] = [list(range(5, 512 + 5)), [-(2**63), 2**63 - 1, 0], [], (1, 2), [True, 2], {"k": [1.5]},
+                              [b"x"], list(range(600))]  # the last: 4,800 bytes packed, more than the slot holds
         for seq, index in enumerate(indices):
-            payload, task_len = encode_index(index)
-            if len(payload) > ring.data_bytes:
+            posted = ring.post_task(1, seq % 3, 7, seq, index)
+            if posted < 0:  # not a list of ints: pickled, as the loader sends it
+                posted = ring.post_task(1, seq % 3, 7, seq, pickle.dumps(index), True)
+            if index == list(range(600)):
+                assert posted == 0  # does not fit: nothing was queued (the loader uses the connection)
                 continue
-            ring.post_task(1, seq % 3, 7, seq, payload, task_len)
+            assert posted == 1
             slot, epoch, got_seq, got = worker.take_task(0.0)  # type: ignore[misc]
             got = pickle.loads(got) if type(got) is bytes else got
             assert (slot, epoch, got_seq) == (seq % 3, 7, seq)
             assert got == index and type(got) is type(index) and [type(v) for v in got] == [type(v) for v in index]
+        assert ring.post_task(1, 0, 7, 99, [1, 2**63]) == -1  # past int64: pickled instead
+        assert ring.post_task(1, 0, 7, 99, [1, 2.0]) == -1
+        assert worker.take_task(0.0) is None  # none of those was queued
         ring.headers[2][Field.TASK_LEN] = -1  # the index comes over the connection
         ring.push_task(1, 2)
         assert worker.take_task(0.0)[3] is None  # type: ignore[index]
