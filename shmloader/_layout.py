@@ -42,9 +42,12 @@ class Field:
     """Fields of a slot header (int64 each); plain ints, read on every batch.
 
     Publication: a worker writes the batch and every result field, then stores STATE=DONE
-    with release ordering (``_native.store_release``) and posts the ready semaphore; the
-    consumer reads STATE with acquire ordering (``_native.load_acquire``) before it reads
-    any other field or byte of the slot. So a DONE slot is complete on ARM as on x86.
+    with release ordering and posts the ready semaphore (one call, ``_native.publish``); the
+    consumer reads STATE with acquire ordering (``_native.collect``) before it reads any
+    other field or byte of the slot. So a DONE slot is complete on ARM as on x86.
+    (``_native.store_release`` and ``load_acquire`` are the same orderings for one word: the
+    consumer resets a granted slot's STATE with the first; ``tests/unit/test_sync.py`` checks
+    both across processes.)
     """
 
     STATE = 0  # IDLE while the task is pending, DONE once the result is complete (release/acquire)
