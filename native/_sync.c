@@ -213,10 +213,10 @@ static PyObject *py_post_task(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (!nargs_is("post_task", nargs, 11) || !as_ssize(args[1], &header) || !as_ssize(args[6], &data) ||
         !as_ssize(args[7], &cap) || !as_ssize(args[8], &entry) || !as_ssize(args[10], &sem_off))
         return NULL;
-    epoch = PyLong_AsLongLong(args[2]);
-    seq = PyLong_AsLongLong(args[3]);
-    slot = PyLong_AsLongLong(args[9]);
-    if (PyErr_Occurred()) return NULL;
+    if (((epoch = PyLong_AsLongLong(args[2])) == -1 && PyErr_Occurred()) ||
+        ((seq = PyLong_AsLongLong(args[3])) == -1 && PyErr_Occurred()) ||
+        ((slot = PyLong_AsLongLong(args[9])) == -1 && PyErr_Occurred()))
+        return NULL;
     int pickled = PyObject_IsTrue(args[5]);
     if (pickled < 0) return NULL;
     PyObject *index = args[4];
