@@ -423,6 +423,7 @@ static int add_itemsizes(PyObject *m) {
 extern PyMethodDef shmloader_sync_methods[]; /* native/_sync.c */
 extern const int shmloader_sem_stride;
 extern const int shmloader_task_fields[3];
+extern const int shmloader_state_idle;
 int shmloader_share_init(PyObject *module); /* native/_share.c */
 
 PyMODINIT_FUNC PyInit__native(void) {
@@ -437,6 +438,7 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddIntConstant(m, "TABLE_HEAD", TABLE_HEAD) < 0 ||
         PyModule_AddIntConstant(m, "ENTRY_FIXED", ENTRY_FIXED) < 0 ||
         PyModule_AddIntConstant(m, "N_HEADER_FIELDS", N_HEADER_FIELDS) < 0 ||
+        PyModule_AddIntConstant(m, "STATE_IDLE", shmloader_state_idle) < 0 ||
         PyModule_AddObject(m, "READ_SLOT_FIELDS", Py_BuildValue("(iiii)", F_TABLE_OFF, F_TABLE_LEN, F_PICKLED_OFF,
                                                                   F_PICKLED_LEN)) < 0 ||
         PyModule_AddObject(m, "TAKE_TASK_FIELDS", Py_BuildValue("(iii)", shmloader_task_fields[0],

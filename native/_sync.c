@@ -26,6 +26,7 @@
 #define F_EPOCH 1
 #define F_SEQ 2
 #define F_TASK_LEN 3
+#define STATE_IDLE 0 /* STATE while a task is pending: shmloader._layout.IDLE */
 _Static_assert(sizeof(sem_t) <= SEM_STRIDE, "sem_t must fit its reserved bytes");
 
 /* The address at `offset` in a writable buffer, for an object of `size` bytes aligned to
@@ -245,30 +246,33 @@ static PyObject *py_post_task(PyObject *self, PyObject *const *args, Py_ssize_t 
         memcpy(dst, PyBytes_AS_STRING(index), (size_t)n);
         task_len = n;
     } else {
+        /* -1 for any list that is not all int64 ints, whatever its size, so the caller's pickle
+           can still fit; 0 for one that is but does not fit. Values are stored as they are
+           checked: what a refused list left in the data region is never posted. (No item runs
+           Python code, so the list cannot change under the loop.) */
         Py_ssize_t n = PyList_GET_SIZE(index);
-        /* Every item is checked before anything is written (no item runs Python code, so the
-           list cannot change under the loops): -1 for any list that is not all int64 ints,
-           whatever its size, so the caller's pickle can still fit. */
+        int fit = n <= cap / 8;
         for (Py_ssize_t i = 0; i < n; i++) {
             PyObject *item = PyList_GET_ITEM(index, i);
             int overflow = 0;
-            if (!PyLong_CheckExact(item) || (PyLong_AsLongLongAndOverflow(item, &overflow), overflow)) {
+            long long v = PyLong_CheckExact(item) ? PyLong_AsLongLongAndOverflow(item, &overflow) : 0;
+            if (!PyLong_CheckExact(item) || overflow) {
                 result = PyLong_FromLong(-1);
                 goto release;
             }
+            if (fit) {
+                int64_t v64 = (int64_t)v;
+                memcpy(dst + 8 * i, &v64, 8);
+            }
         }
-        if (n > cap / 8) {
+        if (!fit) {
             result = PyLong_FromLong(0);
             goto release;
-        }
-        for (Py_ssize_t i = 0; i < n; i++) {
-            int64_t v = (int64_t)PyLong_AsLongLong(PyList_GET_ITEM(index, i));
-            memcpy(dst + 8 * i, &v, 8);
         }
         task_len = -2 - (int64_t)n;
     }
     int64_t *fields = (int64_t *)h;
-    fields[0] = 0; /* STATE: IDLE */
+    fields[0] = STATE_IDLE;
     fields[F_EPOCH] = (int64_t)epoch;
     fields[F_SEQ] = (int64_t)seq;
     fields[F_TASK_LEN] = task_len;
@@ -479,3 +483,4 @@ PyMethodDef shmloader_sync_methods[] = {
 };
 const int shmloader_sem_stride = SEM_STRIDE;
 const int shmloader_task_fields[3] = {F_EPOCH, F_SEQ, F_TASK_LEN};
+const int shmloader_state_idle = STATE_IDLE;

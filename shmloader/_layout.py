@@ -70,8 +70,8 @@ class Field:
 
 
 N_FIELDS: Final = 16
-# The fields _native.read_slot and _native.take_task read, and _native.post_task writes (STATE as
-# IDLE, 0) (fixed in native/): checked here, once.
+# The fields _native.read_slot and _native.take_task read, and _native.post_task writes (STATE is
+# field 0) (fixed in native/): checked here, once.
 assert (Field.TABLE_OFF, Field.TABLE_LEN, Field.PICKLED_OFF, Field.PICKLED_LEN) == _native.READ_SLOT_FIELDS
 assert (Field.EPOCH, Field.SEQ, Field.TASK_LEN) == _native.TAKE_TASK_FIELDS and Field.STATE == 0
 assert N_FIELDS == _native.N_HEADER_FIELDS
@@ -87,7 +87,7 @@ class Counter:
 
 N_COUNTERS: Final = 4
 IDLE: Final = 0
-assert IDLE == 0  # what _native.post_task stores in STATE
+assert IDLE == _native.STATE_IDLE  # what _native.post_task stores in STATE
 DONE: Final = 1
 RESIZE_TASK: Final = -2  # a task-queue entry: attach to the new ring the setup connection carries
 STOP_TASK: Final = -1  # a task-queue entry: exit

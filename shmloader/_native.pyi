@@ -8,6 +8,7 @@ N_KINDS: int
 TABLE_HEAD: int
 ENTRY_FIXED: int
 N_HEADER_FIELDS: int
+STATE_IDLE: int
 READ_SLOT_FIELDS: tuple[int, int, int, int]
 TAKE_TASK_FIELDS: tuple[int, int, int]
 ITEMSIZES: tuple[int, ...]
