@@ -255,8 +255,8 @@ static PyObject *py_post_task(PyObject *self, PyObject *const *args, Py_ssize_t 
         for (Py_ssize_t i = 0; i < n; i++) {
             PyObject *item = PyList_GET_ITEM(index, i);
             int overflow = 0;
-            long long v = PyLong_CheckExact(item) ? PyLong_AsLongLongAndOverflow(item, &overflow) : 0;
-            if (!PyLong_CheckExact(item) || overflow) {
+            long long v = 0;
+            if (!PyLong_CheckExact(item) || (v = PyLong_AsLongLongAndOverflow(item, &overflow), overflow)) {
                 result = PyLong_FromLong(-1);
                 goto release;
             }

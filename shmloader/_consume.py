@@ -247,14 +247,11 @@ class RingIterator(_BaseDataLoaderIter):
                     return self._deliver(slot)
             else:
                 try:
-                    taken = False
                     while stager.has_room() and (slot := self._take_next()) is not None:
-                        taken = True
                         where = self._overflow_where(slot)
                         self._counters.overflow_batches += where is not None
                         self._counters.bytes += stager.stage(self._ring, slot, self._note(slot), where)
-                    if taken:
-                        self._dispatch()  # as without a device: the batches taken left the tasks
+                    self._dispatch()  # as without a device: batches taken left the tasks (else a no-op)
                 except Exception as error:
                     if not stager.staged or not self._raising_batch_error:
                         raise

@@ -28,20 +28,20 @@ class _Views:
         self.geometry = geometry
         self.mm = mm
         self.bytes = np.frombuffer(mm, dtype=np.uint8)
-        # Offsets the per-batch calls use, computed once (the geometry's are properties).
-        self.data_offsets = [geometry.data_offset(s) for s in range(geometry.num_slots)]
-        self.header_offsets = [geometry.slot_offset(s) for s in range(geometry.num_slots)]
-        self.state_offsets = [geometry.state_offset(s) for s in range(geometry.num_slots)]
-        self.queue_offsets = [geometry.queue_offset(w) for w in range(geometry.num_workers)]
+        # Offsets the per-batch calls use, computed once (the geometry's are properties); tuples,
+        # as the native calls that take them all at once want them.
+        self.data_offsets = tuple(geometry.data_offset(s) for s in range(geometry.num_slots))
+        self.header_offsets = tuple(geometry.slot_offset(s) for s in range(geometry.num_slots))
+        self.state_offsets = tuple(geometry.state_offset(s) for s in range(geometry.num_slots))
+        self.queue_offsets = tuple(geometry.queue_offset(w) for w in range(geometry.num_workers))
         self.task_sems = [geometry.task_sem(w) for w in range(geometry.num_workers)]
         self.ready_sem = geometry.ready_sem
         self.doorbell_flag = geometry.doorbell_flag
         self.queue_len = geometry.queue_len
         self.data_bytes = geometry.data_bytes
-        self.state_offset_tuple = tuple(self.state_offsets)
         # Headers, queues and counters as int64 memoryviews: an item reads as a plain int (a
         # numpy scalar costs more, and the consumer reads about ten header fields per batch).
-        self.whole = whole = memoryview(mm)
+        whole = memoryview(mm)
         self.headers = [whole[off : off + N_FIELDS * 8].cast("q") for off in self.header_offsets]
         self.queues = [whole[off : off + geometry.queue_len * 8].cast("q") for off in self.queue_offsets]
         self.counters = [
@@ -57,7 +57,7 @@ class _Views:
         """Take every token of the ready semaphore there is (never waiting), and say which slots
         are DONE (byte ``slot`` is 1; acquire loads: what a worker wrote before DONE is visible
         after it)."""
-        return _native.collect(self.mm, self.ready_sem, self.state_offset_tuple, DONE)
+        return _native.collect(self.mm, self.ready_sem, self.state_offsets, DONE)
 
     def set_state(self, slot: int, state: int) -> None:
         """Store ``slot``'s STATE with release ordering, after everything written before it."""
@@ -139,7 +139,6 @@ class AttachedRing(_Views):
         super().__init__(geometry, mm)
         self.worker_id = worker_id
         self._task_sem, self._queue = self.task_sems[worker_id], self.queue_offsets[worker_id]
-        self._header_offsets, self._data_offsets = tuple(self.header_offsets), tuple(self.data_offsets)
         self._head = 0
 
     @classmethod
@@ -163,7 +162,7 @@ class AttachedRing(_Views):
         comes over the connection: ``Field.TASK_LEN``); a negative queue entry (STOP_TASK,
         RESIZE_TASK) as it is; None when nothing came within ``timeout`` s."""
         entry = self._queue + (self._head % self.queue_len) * 8
-        task = _native.take_task(self.mm, self._task_sem, entry, self._header_offsets, self._data_offsets,
+        task = _native.take_task(self.mm, self._task_sem, entry, self.header_offsets, self.data_offsets,
                                  self.data_bytes, timeout)
         if task is not None:
             self._head += 1
