@@ -251,7 +251,7 @@ class RingIterator(_BaseDataLoaderIter):
                         where = self._overflow_where(slot)
                         self._counters.overflow_batches += where is not None
                         self._counters.bytes += stager.stage(self._ring, slot, self._note(slot), where)
-                    self._dispatch()  # as without a device: batches taken left the tasks (else a no-op)
+                    self._dispatch()  # as without a device: the slots taken left the tasks, room for more
                 except Exception as error:
                     if not stager.staged or not self._raising_batch_error:
                         raise
