@@ -11,7 +11,13 @@ Experiments (shmloader rows only):
   --yields N      the main process's yield bound (shmloader._consume.MAX_YIELDS; 0: sleep at once)
   --sched-batch   run the workers under SCHED_BATCH (no wake-up preemption of the main process)
 
-Usage: python bench/cpu_split.py tiny,tokens [--which bare|shml|both] [--epochs 5] [...]
+Placement (both rows; needs two CPUs): --place apart pins the main process alone on CPU 0
+and both workers on CPU 1; --place shared pins the main process and worker 0 on CPU 0 and
+worker 1 on CPU 1. These are the two ways the scheduler can lay three busy processes on two
+vCPUs; --place free (the default) leaves it to the scheduler.
+
+Usage: python bench/cpu_split.py tiny,tokens [--which bare|shml|both] [--epochs 5]
+       [--place free|apart|shared] [...]
 """
 
 from __future__ import annotations
@@ -58,6 +64,16 @@ def measure(label: str, epoch: Callable[[], Any], pids: list[int], epochs: int) 
           f"slept {work[0]:.2f} preempted {work[1]:.2f}", flush=True)
 
 
+def place(how: str, pids: list[int]) -> None:
+    """Pin the main process and ``pids`` (the workers) as ``how`` says (see the module's text)."""
+    every = set(range(os.cpu_count() or 1))
+    cpus = {"free": (every, [every] * len(pids)), "apart": ({0}, [{1}] * len(pids)),
+            "shared": ({0}, [{i % 2} for i in range(len(pids))])}[how]
+    os.sched_setaffinity(0, cpus[0])
+    for pid, mine in zip(pids, cpus[1]):
+        os.sched_setaffinity(pid, mine)
+
+
 def experiments(args: argparse.Namespace) -> None:
     if args.yields is not None:
         _consume.MAX_YIELDS = args.yields
@@ -90,6 +106,7 @@ def main() -> None:
     parser.add_argument("--extra-us", type=float, default=0.0)
     parser.add_argument("--yields", type=int)
     parser.add_argument("--sched-batch", action="store_true")
+    parser.add_argument("--place", choices=["free", "apart", "shared"], default="free")
     args = parser.parse_args()
     experiments(args)
     for name in args.workloads.split(","):
@@ -99,14 +116,19 @@ def main() -> None:
             ring = lp.Ring(ds, bs, shape, dtype)
             for _ in ring.epoch():
                 pass
+            place(args.place, ring.pids)
             measure(f"{name} bare ring", ring.epoch, ring.pids, args.epochs)
+            place("free", ring.pids)
             ring.close()
         if args.which in ("both", "shml"):
             loader = shmloader.DataLoader(ds, batch_size=bs, num_workers=2, prefetch_factor=2, persistent_workers=True)
             it = iter(loader)
             for _ in it:
                 pass
-            measure(f"{name} shmloader", lambda: iter(loader), [p.pid for p in it._pool.procs], args.epochs)
+            pids = [p.pid for p in it._pool.procs]
+            place(args.place, pids)
+            measure(f"{name} shmloader", lambda: iter(loader), pids, args.epochs)
+            place("free", pids)
             it._shutdown_workers()
 
 

@@ -8,7 +8,10 @@ on an empty function and subtracted once per call, so the nested rows are close 
 unwrapped code spends; the CPU time of the whole process (``thread_time`` in the main
 process, ``/proc`` in the workers) is printed unwrapped, from a second, plain run.
 
-Usage: python bench/path_profile.py [tiny|tokens|image] [--batches N]
+With ``--pin`` the main process runs alone on CPU 0 and the workers share CPU 1, so no worker
+preempts the main process: its rows are then its own work, not the wake-ups it causes.
+
+Usage: python bench/path_profile.py [tiny|tokens|image] [--batches N] [--pin]
 """
 
 from __future__ import annotations
@@ -110,7 +113,7 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run(name: str, batches: int, profile: bool) -> tuple[float, float, float, Acc, list[Acc]]:
+def run(name: str, batches: int, profile: bool, pin: bool = False) -> tuple[float, float, float, Acc, list[Acc]]:
     shape, dtype, bs = WORK[name]
     acc: Acc = {}
     out = tempfile.mkdtemp(prefix="shmloader-path-")
@@ -138,6 +141,10 @@ def run(name: str, batches: int, profile: bool) -> tuple[float, float, float, Ac
         v[0] = v[1] = 0
     it = loader._iterator
     pids = [p.pid for p in it._pool.procs]
+    if pin:
+        os.sched_setaffinity(0, {0})
+        for pid in pids:
+            os.sched_setaffinity(pid, {1})
     workers_before = sum(cpu_s(p) for p in pids)
     began, cpu = time.perf_counter(), time.thread_time()
     for _ in loader:
@@ -145,6 +152,8 @@ def run(name: str, batches: int, profile: bool) -> tuple[float, float, float, Ac
     wall, main_cpu = time.perf_counter() - began, time.thread_time() - cpu
     workers_cpu = sum(cpu_s(p) for p in pids) - workers_before
     it._shutdown_workers()
+    if pin:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
     del it, loader
     worker_accs = []
     for f in os.listdir(out):
@@ -159,13 +168,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workload", nargs="?", default="tiny", choices=sorted(WORK))
     parser.add_argument("--batches", type=int, default=6000)
+    parser.add_argument("--pin", action="store_true", help="main process alone on CPU 0, workers on CPU 1")
     args = parser.parse_args()
     n = args.batches
-    wall, main_cpu, workers_cpu, _, _ = run(args.workload, n, profile=False)
+    wall, main_cpu, workers_cpu, _, _ = run(args.workload, n, profile=False, pin=args.pin)
     print(f"{args.workload}: {n / wall:,.0f} batches/s; CPU µs per batch: main {1e6 * main_cpu / n:.1f}, "
           f"workers {1e6 * workers_cpu / n:.1f} (unwrapped run)")
     over = wrapper_ns()
-    _, _, _, acc, worker_accs = run(args.workload, n, profile=True)
+    _, _, _, acc, worker_accs = run(args.workload, n, profile=True, pin=args.pin)
     worker_total: Acc = collections.defaultdict(lambda: [0, 0])
     for w in worker_accs:  # both epochs of every worker: scale to per batch below
         for label, (ns, calls) in w.items():
