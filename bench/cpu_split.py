@@ -5,6 +5,9 @@ workloads (2 workers, prefetch 2, persistent).
 Per row: batches/s, then per batch the main process's user and system µs, its voluntary
 (slept) and involuntary (preempted) context switches, and the same summed over the workers.
 Read from /proc (clock ticks: a run of several epochs is needed for the µs to mean much).
+shmloader rows end with the main process's time outside its waits per batch: each epoch's
+wall time less the loader's blocked time (``stats().blocked_s``), the median over the epochs;
+with ``--place apart`` no worker shares its CPU, so this is its own work.
 
 Experiments (shmloader rows only):
   --extra-us N    add N µs of busy work to every next() (does the main process set the pace?)
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -52,16 +56,25 @@ def sample(pid: int) -> tuple[float, ...]:
     return vol, inv, int(fields[11]) / TICK, int(fields[12]) / TICK
 
 
-def measure(label: str, epoch: Callable[[], Any], pids: list[int], epochs: int) -> None:
+def measure(label: str, epoch: Callable[[], Any], pids: list[int], epochs: int, stats: Any = None) -> None:
+    """One row. ``stats``: shmloader's counters, whose ``blocked_s`` gives the main process's
+    time outside its waits (the row's last figure: the median over the epochs)."""
     workers0, main0, began = [sample(p) for p in pids], sample(os.getpid()), time.perf_counter()
-    n = sum(sum(1 for _ in epoch()) for _ in range(epochs))
+    n, outside = 0, []
+    for _ in range(epochs):
+        blocked, start = stats.blocked_s if stats else 0.0, time.perf_counter()
+        k = sum(1 for _ in epoch())
+        if stats:
+            outside.append((time.perf_counter() - start - (stats.blocked_s - blocked)) / k)
+        n += k
     wall = time.perf_counter() - began
     workers1, main1 = [sample(p) for p in pids], sample(os.getpid())
     main = [(b - a) / n for a, b in zip(main0, main1)]
     work = [sum(w1[i] - w0[i] for w0, w1 in zip(workers0, workers1)) / n for i in range(4)]
     print(f"{label}: {n / wall:7.0f} b/s | main usr {main[2] * 1e6:4.1f} sys {main[3] * 1e6:4.1f} µs, "
           f"slept {main[0]:.2f} preempted {main[1]:.2f} | workers usr {work[2] * 1e6:4.1f} sys {work[3] * 1e6:4.1f} µs, "
-          f"slept {work[0]:.2f} preempted {work[1]:.2f}", flush=True)
+          f"slept {work[0]:.2f} preempted {work[1]:.2f}"
+          + (f" | main outside waits {statistics.median(outside) * 1e6:.2f} µs" if outside else ""), flush=True)
 
 
 def place(how: str, pids: list[int]) -> None:
@@ -127,7 +140,7 @@ def main() -> None:
                 pass
             pids = [p.pid for p in it._pool.procs]
             place(args.place, pids)
-            measure(f"{name} shmloader", lambda: iter(loader), pids, args.epochs)
+            measure(f"{name} shmloader", lambda: iter(loader), pids, args.epochs, loader._shm_counters)
             place("free", pids)
             it._shutdown_workers()
 
