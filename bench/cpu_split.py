@@ -14,6 +14,10 @@ Experiments (shmloader rows only):
   --yields N      the main process's yield bound (shmloader._consume.MAX_YIELDS; 0: sleep at once)
   --sched-batch   run the workers under SCHED_BATCH (no wake-up preemption of the main process)
 
+Bare ring rows only:
+  --bare-extra-us N  add N µs of busy work to every batch the bare ring's consumer yields
+                     (how much main-process CPU per batch the ceiling can afford)
+
 Placement (both rows; needs two CPUs): --place apart pins the main process alone on CPU 0
 and both workers on CPU 1; --place shared pins the main process and worker 0 on CPU 0 and
 worker 1 on CPU 1. These are the two ways the scheduler can lay three busy processes on two
@@ -77,6 +81,22 @@ def measure(label: str, epoch: Callable[[], Any], pids: list[int], epochs: int, 
           + (f" | main outside waits {statistics.median(outside) * 1e6:.2f} µs" if outside else ""), flush=True)
 
 
+def busy(epoch: Callable[[], Any], us: float) -> Callable[[], Any]:
+    """``epoch`` with ``us`` µs of busy work in the consumer after every batch."""
+    if not us:
+        return epoch
+    clock = time.perf_counter
+
+    def slower() -> Any:
+        for batch in epoch():
+            until = clock() + us * 1e-6
+            while clock() < until:
+                pass
+            yield batch
+
+    return slower
+
+
 def place(how: str, pids: list[int]) -> None:
     """Pin the main process and ``pids`` (the workers) as ``how`` says (see the module's text)."""
     every = set(range(os.cpu_count() or 1))
@@ -119,6 +139,7 @@ def main() -> None:
     parser.add_argument("--extra-us", type=float, default=0.0)
     parser.add_argument("--yields", type=int)
     parser.add_argument("--sched-batch", action="store_true")
+    parser.add_argument("--bare-extra-us", type=float, default=0.0)
     parser.add_argument("--place", choices=["free", "apart", "shared"], default="free")
     args = parser.parse_args()
     experiments(args)
@@ -130,7 +151,7 @@ def main() -> None:
             for _ in ring.epoch():
                 pass
             place(args.place, ring.pids)
-            measure(f"{name} bare ring", ring.epoch, ring.pids, args.epochs)
+            measure(f"{name} bare ring", busy(ring.epoch, args.bare_extra_us), ring.pids, args.epochs)
             place("free", ring.pids)
             ring.close()
         if args.which in ("both", "shml"):
