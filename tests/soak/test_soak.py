@@ -3,12 +3,15 @@ and 100,000 fuzzed slots (header fields and tables, and slots written by a worke
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import mmap
 import os
 import random
+import resource
 import signal
 import time
+from typing import Iterator
 
 import pytest
 import torch
@@ -101,10 +104,33 @@ FIELD = st.integers(-(2**63), 2**63 - 1) | st.integers(0, 1 << 17)
 NAMED_MISSING = (ImportError, AttributeError)
 
 
+@contextlib.contextmanager
+def memory_headroom(extra: int = 2 << 30) -> Iterator[None]:
+    """Address space capped at what this process maps now plus ``extra`` bytes, for the block.
+
+    A damaged skeleton can ask the unpickler for any amount of memory: a byte flipped into a
+    LONG_BINPUT opcode names a memo index of up to 2**32, and CPython grows the memo to twice
+    that and zero-fills it (tens of GB, touched: the OOM killer took this test twice on a
+    24 GiB machine). Capped, the allocation fails, and read_batch reports the skeleton as
+    CorruptSlotError (it does not unpickle: MemoryError)."""
+    with open("/proc/self/status") as f:
+        mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = mapped + extra
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
 def read_honestly(where: str) -> None:
     """read_batch of slot 0: a batch, or CorruptSlotError (or a missing class), nothing else."""
     try:
-        read_batch(VIEWS, 0)  # type: ignore[arg-type]
+        with memory_headroom():
+            read_batch(VIEWS, 0)  # type: ignore[arg-type]
     except (shmloader.CorruptSlotError, *NAMED_MISSING):
         pass
 
