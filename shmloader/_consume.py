@@ -51,7 +51,7 @@ from ._layout import IDLE, PAGE, RESIZE_TASK, Counter, Field, Region, RingGeomet
 from ._lease import Leases, Where, copy_leaf, leaves_of, read_batch, read_dataset_state, read_pickled, slot_of
 from ._overflow import OverflowArena
 from ._pool import WorkerPool
-from ._ring import Ring
+from ._ring import NOT_INTS, POSTED, Ring
 from ._slots import SlotState, SlotTable
 from ._stats import Counters, RingOccupancy
 from ._worker import WorkerConfig
@@ -413,9 +413,9 @@ class RingIterator(_BaseDataLoaderIter):
         assert ring is not None
         epoch = self._table.epoch
         posted = ring.post_task(wid, slot, epoch, seq, index)
-        if posted < 0:  # not a list of ints
+        if posted == NOT_INTS:
             posted = ring.post_task(wid, slot, epoch, seq, pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL), True)
-        if posted:
+        if posted == POSTED:
             return
         size = self._dispatcher.send_index(ring, slot, wid, epoch, seq, index,
                                            functools.partial(self._pool.send, dead_ok=True))

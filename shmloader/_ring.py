@@ -20,6 +20,9 @@ import numpy as np
 from . import _native, _shm
 from ._layout import DONE, N_COUNTERS, N_FIELDS, RingGeometry, Field
 
+# What Ring.post_task (and _native.post_task) returns.
+POSTED, DOES_NOT_FIT, NOT_INTS = 1, 0, -1
+
 
 class _Views:
     """Typed views of a mapped segment, identical in every process, and its semaphores."""
@@ -104,13 +107,13 @@ class Ring(_Views):
     def post_task(self, worker: int, slot: int, epoch: int, seq: int, index: Any, pickled: bool = False) -> int:
         """Write task ``seq`` into ``slot`` (its header fields and its index: a list of ints as
         int64 values, or with ``pickled`` the pickled index's bytes; see ``Field.TASK_LEN``),
-        queue it for ``worker`` and wake it: one native call. Returns 1 when posted, 0 when the
-        index does not fit the slot, -1 when ``index`` is not a list of ints (pickle it)."""
+        queue it for ``worker`` and wake it: one native call. Returns POSTED, DOES_NOT_FIT (nothing
+        was written or queued) or NOT_INTS (``index`` is not a list of int64 ints: pickle it)."""
         tail = self._tails[worker]
         entry = self.queue_offsets[worker] + (tail % self.queue_len) * 8
         posted: int = _native.post_task(self.mm, self.header_offsets[slot], epoch, seq, index, pickled,
                                         self.data_offsets[slot], self.data_bytes, entry, slot, self.task_sems[worker])
-        if posted == 1:
+        if posted == POSTED:
             self._tails[worker] = tail + 1
         return posted
 
