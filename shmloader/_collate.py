@@ -20,7 +20,7 @@ import io
 import math
 import operator
 import pickle
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -45,6 +45,8 @@ class SlotWriter:
         self._views: dict[tuple[int, int, int, tuple[int, ...]], Any] = {}  # (offset, code, kind, shape) -> view
         # (data offset, bytes used, leaf) -> layout of a one-leaf batch's skeleton and table (_finish_lone)
         self._lone: dict[tuple[int, int, Leaf], tuple[int, int, int, int, bytes]] = {}
+        # data offset -> how the last batch of plain tensors was stacked there (stack_lone)
+        self._stacks: dict[int, _LoneStack] = {}
         self.begin(0, 0)
 
     def begin(self, data_off: int, capacity: int) -> None:
@@ -55,6 +57,7 @@ class SlotWriter:
         self.leaves: list[Leaf] = []
         self._ids: dict[int, int] = {}
         self._keep: list[object] = []
+        self._stacked: tuple[int, torch.Size, torch.dtype, torch.Tensor] | None = None  # set by _stack_into_slot
 
     def _leaf(self, code: int, kind: int, itemsize: int, shape: tuple[int, ...]) -> Any:
         """An uninitialised leaf in the slot (in private memory once the batch overflowed)."""
@@ -142,7 +145,7 @@ class SlotWriter:
         leaves = self.leaves
         if len(leaves) == 1 and batch is self._keep[0]:  # the common single-tensor batch
             if not dataset_state and self.fits:
-                return self._finish_lone(leaves[0])
+                return self._finish_lone(leaves[0], batch)
             skeleton: bytes | memoryview = LONE_LEAF
         else:
             buf = io.BytesIO()
@@ -170,10 +173,11 @@ class SlotWriter:
         self._keep.clear()
         return needed
 
-    def _finish_lone(self, leaf: Leaf) -> int:
+    def _finish_lone(self, leaf: Leaf, batch: object) -> int:
         """``finish`` for a batch that is one leaf, without a dataset state: the skeleton and
         the leaf table are the same batch after batch, so they are laid out once per slot and
-        leaf, and written as one block."""
+        leaf, and written as one block. A batch ``_stack_into_slot`` stacked is remembered for
+        ``stack_lone``."""
         key = (self.data_off, self.used, leaf)
         layout = self._lone.get(key)
         if layout is None:
@@ -185,6 +189,15 @@ class SlotWriter:
             _native.encode_table(table, 0, len(table), [leaf])
             block = LONE_LEAF + bytes(table_off - pickled_off - len(LONE_LEAF)) + table
             layout = self._lone[key] = (pickled_off, table_off, len(table), round_up(table_off + len(table), 8), block)
+        needed = self._write_lone(layout)
+        stacked = self._stacked
+        if self.fits and stacked is not None and stacked[3] is batch:
+            if len(self._stacks) >= _VIEW_CACHE:
+                self._stacks.clear()
+            self._stacks[self.data_off] = _LoneStack(*stacked, self.used, layout)
+        return needed
+
+    def _write_lone(self, layout: tuple[int, int, int, int, bytes]) -> int:
         self.pickled_off, self.table_off, self.table_len, needed, block = layout
         self.pickled_len = len(LONE_LEAF)
         self.dataset_state_off, self.dataset_state_len = needed, 0
@@ -195,6 +208,41 @@ class SlotWriter:
         self._mm[start : start + len(block)] = block
         self._keep.clear()
         return needed
+
+    def stack_lone(self, samples: list[Any]) -> torch.Tensor | None:
+        """The default collate's steady state, in one step: when the last batch written at this
+        slot was ``samples``-like plain tensors stacked by ``_stack_into_slot`` (same count,
+        sample shape and dtype), stack these into the same view and write the same skeleton and
+        leaf table; the writer is then as ``finish`` leaves it. Returns the batch, or None when
+        the samples are not like that (nothing was written: collate them the general way)."""
+        plan = self._stacks.get(self.data_off)
+        if plan is None or len(samples) != plan.n:
+            return None
+        elem = samples[0]
+        if (type(elem) is not torch.Tensor or elem.shape != plan.shape or elem.is_nested
+                or elem.layout is not _STRIDED or not elem.is_cpu):
+            return None
+        if _native.same_attr(samples, "dtype") is not plan.dtype or plan.layout[3] > self.capacity:
+            return None
+        try:
+            if torch.stack(samples, 0, out=plan.out) is not plan.out:
+                return None  # a tensor subclass among the samples made it another object
+        except RuntimeError:
+            return None  # unequal shapes: the general way raises torch's own error
+        self.used = plan.used
+        self._write_lone(plan.layout)
+        return plan.out
+
+
+class _LoneStack(NamedTuple):
+    """How ``_stack_into_slot`` stacked a batch into a slot, and the one-leaf layout written after it."""
+
+    n: int  # samples
+    shape: torch.Size  # of a sample
+    dtype: torch.dtype
+    out: torch.Tensor  # the slot's view the batch was stacked into
+    used: int
+    layout: tuple[int, int, int, int, bytes]  # _finish_lone's
 
 
 class _LeafPickler(pickle.Pickler):
@@ -229,14 +277,21 @@ def _stack_into_slot(
         return result
     dtype = _native.same_attr(batch, "dtype")  # one dtype (the common case), or None: promote as default_collate
     if dtype is None:
-        dtype = functools.reduce(torch.promote_types, map(_dtype_of, batch))
+        try:
+            dtype = functools.reduce(torch.promote_types, map(_dtype_of, batch))
+        except (TypeError, AttributeError):
+            return torch.stack(batch, 0)  # not all tensors: torch's own error, as default_collate raises
     if dtype not in CODE_OF_DTYPE:
         return torch.stack(batch, 0)
-    out = writer.tensor(dtype, (len(batch), *elem.shape))
+    shape = elem.shape
+    out = writer.tensor(dtype, (len(batch), *shape))
     try:
-        return torch.stack(batch, 0, out=out)
+        stacked = torch.stack(batch, 0, out=out)
     except RuntimeError:
         return torch.stack(batch, 0)  # unequal shapes: torch's own error, as default_collate raises
+    if stacked is out:  # (a tensor subclass's __torch_function__ may return another object)
+        writer._stacked = (len(batch), shape, dtype, out)
+    return stacked
 
 
 def slot_collate_map(writer: SlotWriter) -> dict[Any, Callable[..., Any]]:

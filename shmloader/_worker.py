@@ -111,6 +111,9 @@ class _Producer:
         self.cfg = cfg
         self.where = f"in DataLoader worker process {cfg.worker_id}"
         self.fused = cfg.auto_collation and cfg.collate_fn is torch_collate.default_collate
+        # Map-style, default collate: a batch like the last one stacked into the same slot is
+        # stacked in one step (SlotWriter.stack_lone)
+        self.lean = self.fused and not cfg.iterable
         self._epoch: int | None = None
         self._iter: Any = None
         self._ended = False
@@ -156,6 +159,10 @@ class _Producer:
         """Fetch and collate into ``writer``; returns the outcome and the batch object."""
         try:
             samples = self._samples(epoch, index)
+            if self.lean and type(samples) is list and samples:
+                batch = writer.stack_lone(samples)
+                if batch is not None:
+                    return _ok(writer.dataset_state_off), batch
             if self.fused:
                 # Samples that are plain tensors: the map's tensor entry, as collate() would call it
                 stack = fn_map.get(torch.Tensor) if type(samples) is list and samples and type(samples[0]) is torch.Tensor else None

@@ -401,3 +401,37 @@ class RaisesUnpicklable(Dataset):  # type: ignore[type-arg]
         if i == self.bad:
             raise _local_error_class()(f"sample {i}: disk on fire")
         return torch.tensor([i])
+
+
+class Tagged(torch.Tensor):
+    """A tensor subclass (its type survives torch.stack through __torch_function__)."""
+
+
+class Runs(Dataset):  # type: ignore[type-arg]
+    """Plain-tensor samples in planned batches: ``plan`` lists (count, sample shape, dtype,
+    twist). Sample i holds values seeded by i; a batch's twist changes one of its samples:
+    "dtype" (float64), "shape" (one more element in the last dimension), "subclass" (a
+    ``Tagged``) or "array" (a numpy array), at ``spot`` in the batch."""
+
+    def __init__(self, plan: list[tuple[int, tuple[int, ...], torch.dtype, str | None, int]]) -> None:
+        self.items: list[tuple[tuple[int, ...], torch.dtype, str | None]] = []
+        self.batches: list[list[int]] = []
+        for count, shape, dtype, twist, spot in plan:
+            start = len(self.items)
+            self.batches.append(list(range(start, start + count)))
+            self.items += [(shape, dtype, twist if k == spot % count else None) for k in range(count)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> Any:
+        shape, dtype, twist = self.items[i]
+        if twist == "shape":
+            shape = (*shape[:-1], shape[-1] + 1) if shape else (1,)
+        values = torch.randint(0, 100, shape, generator=torch.Generator().manual_seed(i))
+        sample = values.to(torch.float64 if twist == "dtype" else dtype)
+        if twist == "subclass":
+            return sample.as_subclass(Tagged)
+        if twist == "array":
+            return sample.numpy()
+        return sample

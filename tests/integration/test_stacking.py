@@ -1,0 +1,100 @@
+"""Batches of plain tensors whose layout repeats are stacked into their slot in one step
+(``SlotWriter.stack_lone``, learnt from the batch before it in the same slot). Whatever
+changes from one batch to the next (count, shape, dtype, a subclass, an array, a sample of
+another size), the batches, their types and the errors are torch's, in torch's order."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.data as tud
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import shmloader
+from tests.conftest import raw
+from tests.datasets import Runs
+
+TWISTS = ["dtype", "shape", "subclass", "array"]
+
+
+def outcomes(loader: Any, epochs: int = 1) -> list[tuple[Any, ...]]:
+    """Every ``next()`` in order: the batch (type, dtype, shape, bytes) or the error (type, and
+    the last line of its message: the original error's, under a worker's traceback)."""
+    out: list[tuple[Any, ...]] = []
+    for _ in range(epochs):
+        it = iter(loader)
+        while True:
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            except Exception as exc:
+                name = type(exc).__name__
+                out.append(("error", name, str(exc).splitlines()[-1].removeprefix(f"{name}: ")))
+            else:
+                out.append(("batch", type(batch).__name__, batch.dtype, tuple(batch.shape), raw(batch)))
+    return out
+
+
+def compare(plan: list[tuple[int, tuple[int, ...], torch.dtype, str | None, int]], workers: int,
+            epochs: int = 1) -> list[tuple[Any, ...]]:
+    dataset = Runs(plan)
+    # In-process torch: its workers stack into a shared segment sized by the first sample, so
+    # samples of unequal sizes fail there with "Trying to resize storage that is not
+    # resizable"; shmloader raises default_collate's own error, as num_workers=0 does.
+    want = outcomes(tud.DataLoader(dataset, batch_sampler=dataset.batches), epochs)
+    got = outcomes(shmloader.DataLoader(dataset, batch_sampler=dataset.batches, num_workers=workers,
+                                        persistent_workers=True), epochs)
+    assert got == want
+    return got
+
+
+@pytest.mark.parametrize("twist", TWISTS)
+@pytest.mark.parametrize("spot", [0, 2])
+def test_a_twisted_batch_among_repeating_ones_is_torchs(twist: str, spot: int) -> None:
+    # Twelve batches of one layout teach every slot its stack; then one batch with a twisted
+    # sample (first or in the middle), then the layout again.
+    run = [(4, (3, 5), torch.float32, None, 0)] * 12
+    got = compare([*run, (4, (3, 5), torch.float32, twist, spot), *run], workers=1, epochs=2)
+    # torch raises for a sample of another size, and for an array after a tensor (an array
+    # first makes every sample an array: default_collate converts them)
+    fails = twist == "shape" or (twist == "array" and spot > 0)
+    assert [o[0] for o in got].count("error") == (2 if fails else 0)
+
+
+@pytest.mark.parametrize("change", ["count", "shape", "dtype", "rank"])
+def test_a_new_layout_after_repeating_ones_is_torchs(change: str) -> None:
+    layouts = {
+        "count": (3, (6,), torch.int64),
+        "shape": (4, (7,), torch.int64),
+        "dtype": (4, (6,), torch.uint8),
+        "rank": (4, (2, 3), torch.int64),
+    }
+    run = [(4, (6,), torch.int64, None, 0)] * 10
+    other = [(*layouts[change], None, 0)] * 10
+    compare(run + other + run, workers=2, epochs=2)
+
+
+plans = st.lists(
+    st.tuples(
+        st.integers(1, 5),  # batches in the run
+        st.integers(1, 4),  # samples per batch
+        st.sampled_from([(3,), (4,), (2, 2), ()]),
+        st.sampled_from([torch.float32, torch.int64, torch.uint8]),
+        st.sampled_from([None, None, *TWISTS]),  # the run's last batch
+        st.integers(0, 3),
+    ),
+    min_size=1,
+    max_size=6,
+).map(lambda runs: [(count, shape, dtype, twist if k == n - 1 else None, spot)
+                    for n, count, shape, dtype, twist, spot in runs for k in range(n)])
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plan=plans, workers=st.integers(1, 2))
+def test_property_runs_of_layouts_are_torchs(plan: list[tuple[int, tuple[int, ...], torch.dtype, str | None, int]],
+                                             workers: int) -> None:
+    compare(plan, workers, epochs=2)
