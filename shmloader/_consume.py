@@ -197,7 +197,8 @@ class RingIterator(_BaseDataLoaderIter):
                     f"{self._fatal}); start a new epoch with iter(loader)"
                 ) from self._fatal
             return _END
-        self._deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
+        if not looked:  # (a sync next() that looked first set it before)
+            self._deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
         if not self._started and not self._sampler_done:
             yield from self._start()
         while True:
@@ -266,6 +267,34 @@ class RingIterator(_BaseDataLoaderIter):
                 self._shutdown_workers()
             return _END
         return None
+
+    def _steady(self) -> Any:
+        """``next()`` in order, without a device, nothing pending: a round and, when the batch is
+        not in yet, one wait and the rest of the round, in one frame (no generator, no second
+        round). Returns what ``_round`` returns; None means a round found nothing ready (the
+        general path waits next)."""
+        table = self._table
+        leases = self._leases
+        if leases.returned:
+            for returned in leases.take_returned():
+                table.give_back(returned)
+        self._collect()
+        if table.waiting_count or self._grow_to is not None:
+            return self._round()  # overflow memory to grant, or a ring to grow
+        self._awaiting_room = False
+        self._dispatch()
+        if self._rcvd_seq not in table.ready:
+            if self._sampler_done and not table.outstanding:
+                return self._round()  # the epoch ends: the round says so
+            self._block(_READY)  # as the general path waits: yields, then workers and timeout checked, then sleep
+            self._collect()
+            if table.waiting_count or self._rcvd_seq not in table.ready:
+                return self._round()  # (a round ran last whenever the general path waits)
+        slot = self._take_next()
+        if slot is None:
+            return self._round()  # an exhausted shard's STOP was taken: the round goes on from it
+        self._dispatch()  # as in _round: the batch taken left the tasks
+        return self._deliver(slot)
 
     def _copied(self, slots: list[int]) -> None:
         """Device copies out of ``slots`` completed: the slots (and their overflow memory) return."""
@@ -784,7 +813,10 @@ class RingIterator(_BaseDataLoaderIter):
             # The steady state (started, running, nothing staged or pending): one _round, no
             # generator, when a batch is ready.
             looked = self._started and not self._shutdown and self._stager is None and self._pending_error is None
-            result = self._round() if looked else None
+            result = None
+            if looked:
+                self._deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
+                result = self._steady() if self._in_order else self._round()
             if result is None or result is _GROW:
                 steps = self._steps(looked and result is None)
                 request = next(steps)
