@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 import re
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -20,22 +20,28 @@ from tests.datasets import BadBatches, BadSamples, BadStream
 BAD = (3, 17, 18, 40, 63)  # 17 and 18 fall in one batch of 4
 
 
-def outcomes(loader: Any, epochs: int = 1) -> list[list[tuple[str, Any]]]:
-    """Per epoch: ("batch", values) or ("error", type, first line, last line), in order."""
+def said(exc: BaseException) -> tuple[str, str, str]:
+    lines = str(exc).splitlines()
+    return type(exc).__name__, lines[0], lines[-1]
+
+
+def outcomes(loader: Any, epochs: int = 1, batch: Callable[[Any], Any] = lambda b: b.flatten().tolist(),
+             error: Callable[[BaseException], Any] = said) -> list[list[tuple[str, Any]]]:
+    """Per epoch, every ``next()`` in order: ("batch", ``batch(it)``) or ("error", ``error(it)``);
+    by default the batch's values, and the error's type, first line and last line."""
     out = []
     for _ in range(epochs):
         it = iter(loader)
         epoch: list[tuple[str, Any]] = []
         while True:
             try:
-                batch = next(it)
+                got = next(it)
             except StopIteration:
                 break
             except Exception as exc:
-                lines = str(exc).splitlines()
-                epoch.append(("error", (type(exc).__name__, lines[0], lines[-1])))
+                epoch.append(("error", error(exc)))
             else:
-                epoch.append(("batch", batch.flatten().tolist()))
+                epoch.append(("batch", batch(got)))
         out.append(epoch)
     return out
 

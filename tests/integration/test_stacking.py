@@ -16,38 +16,30 @@ from hypothesis import strategies as st
 import shmloader
 from tests.conftest import raw
 from tests.datasets import Runs
+from tests.integration.test_errors import outcomes
 
 TWISTS = ["dtype", "shape", "subclass", "array"]
 
 
-def outcomes(loader: Any, epochs: int = 1) -> list[tuple[Any, ...]]:
-    """Every ``next()`` in order: the batch (type, dtype, shape, bytes) or the error (type, and
-    the last line of its message: the original error's, under a worker's traceback)."""
-    out: list[tuple[Any, ...]] = []
-    for _ in range(epochs):
-        it = iter(loader)
-        while True:
-            try:
-                batch = next(it)
-            except StopIteration:
-                break
-            except Exception as exc:
-                name = type(exc).__name__
-                out.append(("error", name, str(exc).splitlines()[-1].removeprefix(f"{name}: ")))
-            else:
-                out.append(("batch", type(batch).__name__, batch.dtype, tuple(batch.shape), raw(batch)))
-    return out
+def layout(batch: Any) -> tuple[Any, ...]:
+    return type(batch).__name__, batch.dtype, tuple(batch.shape), raw(batch)
+
+
+def original(exc: BaseException) -> tuple[str, str]:
+    """The error's type and the last line of its message: the original error's, under a worker's traceback."""
+    name = type(exc).__name__
+    return name, str(exc).splitlines()[-1].removeprefix(f"{name}: ")
 
 
 def compare(plan: list[tuple[int, tuple[int, ...], torch.dtype, str | None, int]], workers: int,
-            epochs: int = 1) -> list[tuple[Any, ...]]:
+            epochs: int = 1) -> list[list[tuple[str, Any]]]:
     dataset = Runs(plan)
     # In-process torch: its workers stack into a shared segment sized by the first sample, so
     # samples of unequal sizes fail there with "Trying to resize storage that is not
     # resizable"; shmloader raises default_collate's own error, as num_workers=0 does.
-    want = outcomes(tud.DataLoader(dataset, batch_sampler=dataset.batches), epochs)
+    want = outcomes(tud.DataLoader(dataset, batch_sampler=dataset.batches), epochs, layout, original)
     got = outcomes(shmloader.DataLoader(dataset, batch_sampler=dataset.batches, num_workers=workers,
-                                        persistent_workers=True), epochs)
+                                        persistent_workers=True), epochs, layout, original)
     assert got == want
     return got
 
@@ -62,7 +54,7 @@ def test_a_twisted_batch_among_repeating_ones_is_torchs(twist: str, spot: int) -
     # torch raises for a sample of another size, and for an array after a tensor (an array
     # first makes every sample an array: default_collate converts them)
     fails = twist == "shape" or (twist == "array" and spot > 0)
-    assert [o[0] for o in got].count("error") == (2 if fails else 0)
+    assert [kind for epoch in got for kind, _ in epoch].count("error") == (2 if fails else 0)
 
 
 @pytest.mark.parametrize("change", ["count", "shape", "dtype", "rank"])
