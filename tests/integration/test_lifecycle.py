@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import shmloader
-from shmloader import _shm
+from shmloader import _consume, _ring, _shm
 from tests.conftest import same
-from tests.datasets import Failing, Gated, IndexPid, Pid, Range, Sized
+from tests.datasets import Failing, Gated, IndexPid, Pid, Range, Shards, Sized
 
 
 def test_batches_are_views_of_the_ring_and_return_when_dropped() -> None:
@@ -278,3 +278,35 @@ def test_a_dataset_that_exits_is_said_as_such_without_the_memory_hint() -> None:
     with pytest.raises(shmloader.WorkerDiedError, match=r"exited with code 7 on its own .* while producing batch 2") as e:
         list(loader)
     assert "ran out of memory" not in str(e.value)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("iterable", [False, True])
+def test_no_wait_ends_by_its_timeout(monkeypatch: pytest.MonkeyPatch, persistent: bool, iterable: bool) -> None:
+    # A sync next() that sleeps on the ready semaphore wakes when a batch is published; its
+    # timeout (CHECK_S) is only a heartbeat for dead workers. A wait that ran out in a healthy
+    # epoch (its start, its end, a partial last batch, an exhausted shard, an epoch broken
+    # off) would mean the consumer slept for nothing to come. With the heartbeat at 20 s,
+    # count the waits that ran out: none.
+    monkeypatch.setattr(_consume, "CHECK_S", 20.0)
+    timed_out = []
+    take_ready = _ring._Views.take_ready
+
+    def counted(self: Any, timeout: float) -> bool:
+        got = take_ready(self, timeout)
+        if timeout > 0 and not got:
+            timed_out.append(timeout)
+        return got
+
+    monkeypatch.setattr(_ring._Views, "take_ready", counted)
+    dataset = Shards(203) if iterable else Range(203)
+    kw: dict[str, Any] = dict(batch_size=4, num_workers=2, persistent_workers=persistent)
+    want = [b.tolist() for b in torch.utils.data.DataLoader(dataset, **kw)]
+    loader = shmloader.DataLoader(dataset, **kw)
+    for epoch in range(3):
+        if epoch == 1:
+            it = iter(loader)
+            assert next(it).tolist() == want[0]
+            del it  # broken off after one batch
+        assert [b.tolist() for b in loader] == want
+    assert timed_out == []
