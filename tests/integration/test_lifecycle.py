@@ -146,7 +146,9 @@ def test_a_killed_worker_is_replaced_and_its_batches_still_arrive_once_in_order(
     rest = [b[0].tolist() for b in it]
     assert [i for i, _ in rest] == list(range(1, 16))  # every batch once, in order
     makers = [pid for _, pid in rest]
-    assert killed not in makers[3:]  # the killed worker made no batch after its slots were drained
+    # When it was killed, batches 1 to 4 were in flight (num_workers * prefetch_factor): it may
+    # have finished its two (2 and 4) first, and made none after them.
+    assert killed not in makers[4:]
     assert len(set(makers) - {killed}) == 2  # the other worker, and the replacement that made the rest of its share
     assert loader.stats().worker_restarts == 1
 
