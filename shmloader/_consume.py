@@ -269,8 +269,8 @@ class RingIterator(_BaseDataLoaderIter):
         return None
 
     def _steady(self) -> Any:
-        """``next()`` in order, without a device, nothing pending: a round and, when the batch is
-        not in yet, one wait and the rest of the round, in one frame (no generator, no second
+        """``next()`` in order, without a device, nothing pending: a round and, until the batch is
+        in, waits and what a round would do after them, in one frame (no generator, no second
         round). Returns what ``_round`` returns; None means a round found nothing ready (the
         general path waits next)."""
         table = self._table
@@ -283,12 +283,12 @@ class RingIterator(_BaseDataLoaderIter):
             return self._round()  # overflow memory to grant, or a ring to grow
         self._awaiting_room = False
         self._dispatch()
-        if self._rcvd_seq not in table.ready:
+        while self._rcvd_seq not in table.ready:
             if self._sampler_done and not table.outstanding:
                 return self._round()  # the epoch ends: the round says so
             self._block(_READY)  # as the general path waits: yields, then workers and timeout checked, then sleep
             self._collect()
-            if table.waiting_count or self._rcvd_seq not in table.ready:
+            if table.waiting_count or self._grow_to is not None or leases.returned:
                 return self._round()  # (a round ran last whenever the general path waits)
         slot = self._take_next()
         if slot is None:
