@@ -18,20 +18,25 @@ Bare ring rows only:
   --bare-extra-us N  add N µs of busy work to every batch the bare ring's consumer yields
                      (how much main-process CPU per batch the ceiling can afford)
 
+--perf adds to every row the main process's and the workers' CPU µs and context switches per
+batch from ``perf stat -e task-clock`` (exact, where /proc counts 10 ms ticks).
+
 Placement (both rows; needs two CPUs): --place apart pins the main process alone on CPU 0
 and both workers on CPU 1; --place shared pins the main process and worker 0 on CPU 0 and
 worker 1 on CPU 1. These are the two ways the scheduler can lay three busy processes on two
 vCPUs; --place free (the default) leaves it to the scheduler.
 
 Usage: python bench/cpu_split.py tiny,tokens [--which bare|shml|both] [--epochs 5]
-       [--place free|apart|shared] [...]
+       [--place free|apart|shared] [--perf] [...]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -60,9 +65,33 @@ def sample(pid: int) -> tuple[float, ...]:
     return vol, inv, int(fields[11]) / TICK, int(fields[12]) / TICK
 
 
-def measure(label: str, epoch: Callable[[], Any], pids: list[int], epochs: int, stats: Any = None) -> None:
+class TaskClock:
+    """``perf stat -e task-clock`` on ``pids`` from now until ``stop()``: CPU time to the
+    nanosecond and context switches, where /proc counts clock ticks."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.perf = subprocess.Popen(["perf", "stat", "-x,", "-e", "task-clock,context-switches", "-p",
+                                      ",".join(map(str, pids))], stderr=subprocess.PIPE, text=True)
+        time.sleep(0.3)  # perf attaches before the measured epochs begin
+
+    def stop(self) -> tuple[float, float]:
+        """(CPU seconds, context switches) of the processes, summed."""
+        self.perf.send_signal(signal.SIGINT)
+        counts = {}
+        for line in self.perf.communicate()[1].splitlines():
+            fields = line.split(",")
+            if len(fields) > 2 and fields[0].replace(".", "", 1).isdigit():
+                counts[fields[2]] = float(fields[0])
+        return counts["task-clock"] / 1e3, counts["context-switches"]
+
+
+def measure(label: str, epoch: Callable[[], Any], pids: list[int], epochs: int, stats: Any = None,
+            perf: bool = False) -> None:
     """One row. ``stats``: shmloader's counters, whose ``blocked_s`` gives the main process's
-    time outside its waits (the row's last figure: the median over the epochs)."""
+    time outside its waits (the row's last figure: the median over the epochs). ``perf``: the
+    row ends with the main process's and the workers' CPU µs per batch as perf's task-clock
+    counts them."""
+    clocks = [TaskClock([os.getpid()]), TaskClock(pids)] if perf else []
     workers0, main0, began = [sample(p) for p in pids], sample(os.getpid()), time.perf_counter()
     n, outside = 0, []
     for _ in range(epochs):
@@ -78,7 +107,9 @@ def measure(label: str, epoch: Callable[[], Any], pids: list[int], epochs: int, 
     print(f"{label}: {n / wall:7.0f} b/s | main usr {main[2] * 1e6:4.1f} sys {main[3] * 1e6:4.1f} µs, "
           f"slept {main[0]:.2f} preempted {main[1]:.2f} | workers usr {work[2] * 1e6:4.1f} sys {work[3] * 1e6:4.1f} µs, "
           f"slept {work[0]:.2f} preempted {work[1]:.2f}"
-          + (f" | main outside waits {statistics.median(outside) * 1e6:.2f} µs" if outside else ""), flush=True)
+          + (f" | main outside waits {statistics.median(outside) * 1e6:.2f} µs" if outside else "")
+          + "".join(f" | {who} task-clock {cpu / n * 1e6:.2f} µs, {switches / n:.2f} switches"
+                    for who, (cpu, switches) in zip(("main", "workers"), (c.stop() for c in clocks))), flush=True)
 
 
 def busy(epoch: Callable[[], Any], us: float) -> Callable[[], Any]:
@@ -141,6 +172,7 @@ def main() -> None:
     parser.add_argument("--sched-batch", action="store_true")
     parser.add_argument("--bare-extra-us", type=float, default=0.0)
     parser.add_argument("--place", choices=["free", "apart", "shared"], default="free")
+    parser.add_argument("--perf", action="store_true", help="also perf's task-clock per batch (needs perf)")
     args = parser.parse_args()
     experiments(args)
     for name in args.workloads.split(","):
@@ -151,7 +183,7 @@ def main() -> None:
             for _ in ring.epoch():
                 pass
             place(args.place, ring.pids)
-            measure(f"{name} bare ring", busy(ring.epoch, args.bare_extra_us), ring.pids, args.epochs)
+            measure(f"{name} bare ring", busy(ring.epoch, args.bare_extra_us), ring.pids, args.epochs, perf=args.perf)
             place("free", ring.pids)
             ring.close()
         if args.which in ("both", "shml"):
@@ -161,7 +193,7 @@ def main() -> None:
                 pass
             pids = [p.pid for p in it._pool.procs]
             place(args.place, pids)
-            measure(f"{name} shmloader", lambda: iter(loader), pids, args.epochs, loader._shm_counters)
+            measure(f"{name} shmloader", lambda: iter(loader), pids, args.epochs, loader._shm_counters, args.perf)
             place("free", pids)
             it._shutdown_workers()
 
