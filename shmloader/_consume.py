@@ -810,8 +810,8 @@ class RingIterator(_BaseDataLoaderIter):
     def _next_data(self) -> Any:
         asked = self._counters.requested()
         try:
-            # The steady state (started, running, nothing staged or pending): one _round, no
-            # generator, when a batch is ready.
+            # The steady state (started, running, nothing staged or pending): in order, _steady
+            # (its waits included); otherwise one _round. The generator only when they say so.
             looked = self._started and not self._shutdown and self._stager is None and self._pending_error is None
             result = None
             if looked:
