@@ -45,7 +45,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
 from . import _checkpoint, _device
 from ._dispatch import Dispatcher
-from ._errors import CorruptSlotError, MemoryBudgetError, WorkerDiedError
+from ._errors import CorruptSlotError, MemoryBudgetError, WorkerDiedError, raise_worker_error
 from ._budget import plan_ring
 from ._layout import IDLE, PAGE, RESIZE_TASK, Counter, Field, Region, RingGeometry, Status, grown_slot_bytes, round_up
 from ._lease import Leases, Where, copy_leaf, leaves_of, read_batch, read_dataset_state, read_pickled, slot_of
@@ -333,10 +333,10 @@ class RingIterator(_BaseDataLoaderIter):
             elif status == Status.ERROR:  # the first batch's own error: raised, and the next one is probed
                 self._rcvd_seq = seq + 1
                 self._batch_failed()
-                error.reraise()
+                raise_worker_error(error)
             elif status == Status.INIT_ERROR:
                 self._shutdown_workers()
-                error.reraise()
+                raise_worker_error(error)
             else:
                 first = needed
                 self._remember_batch_bytes(first)  # later epochs skip the probe
@@ -708,7 +708,7 @@ class RingIterator(_BaseDataLoaderIter):
                 self._batch_failed()
             else:
                 self._shutdown_workers()
-            error.reraise()
+            raise_worker_error(error)
         self._shutdown_workers()
         raise CorruptSlotError(f"slot {slot}: unknown result status {status}")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, NoReturn
+
 
 class ShmLoaderError(RuntimeError):
     """Base class of shmloader's own errors."""
@@ -26,3 +28,25 @@ class WorkerDiedError(ShmLoaderError):
 
 class MemoryBudgetError(ShmLoaderError, MemoryError):
     """``memory_budget`` cannot hold one slot per worker, or one batch beside the ring."""
+
+
+def raise_worker_error(error: Any) -> NoReturn:
+    """``error.reraise()`` (a worker's ``ExceptionWrapper``) without the reference cycle it
+    makes: its finished frame keeps the exception it raised, whose traceback keeps that frame
+    and the caller's, so the iterator that raised it (its workers, its ring) would live until
+    the garbage collector's next pass, however soon the caller dropped the exception; and
+    collected in a cycle, finalizers run in any order."""
+    try:
+        error.reraise()
+    except BaseException as exc:
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        try:
+            if tb is not None:
+                tb.tb_frame.clear()  # reraise()'s own frame, finished: its locals
+        except RuntimeError:
+            pass  # raised here, not in reraise() (not an ExceptionWrapper): this frame still runs
+        del tb  # (this frame would keep the traceback too)
+        raise
+    raise AssertionError("ExceptionWrapper.reraise() returned")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import signal
 import time
@@ -151,4 +152,11 @@ class WorkerPool:
             # multiprocessing's children with its two pipes open until the next start.
             proc.join()
         for conn in self.conns:
-            conn.close()
+            try:
+                conn.close()
+            except OSError as exc:
+                # Collected in a reference cycle, a connection's own finalizer may have run
+                # first (finalizers run in any order there) and closed its fd, leaving the
+                # handle set
+                if exc.errno != errno.EBADF:
+                    raise

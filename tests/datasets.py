@@ -403,7 +403,7 @@ class RaisesUnpicklable(Dataset):  # type: ignore[type-arg]
         return torch.tensor([i])
 
 
-class Tagged(torch.Tensor):
+class TaggedTensor(torch.Tensor):
     """A tensor subclass (its type survives torch.stack through __torch_function__)."""
 
 
@@ -411,7 +411,7 @@ class Runs(Dataset):  # type: ignore[type-arg]
     """Plain-tensor samples in planned batches: ``plan`` lists (count, sample shape, dtype,
     twist). Sample i holds values seeded by i; a batch's twist changes one of its samples:
     "dtype" (float64), "shape" (one more element in the last dimension), "subclass" (a
-    ``Tagged``) or "array" (a numpy array), at ``spot`` in the batch."""
+    ``TaggedTensor``) or "array" (a numpy array), at ``spot`` in the batch."""
 
     def __init__(self, plan: list[tuple[int, tuple[int, ...], torch.dtype, str | None, int]]) -> None:
         self.items: list[tuple[tuple[int, ...], torch.dtype, str | None]] = []
@@ -431,7 +431,7 @@ class Runs(Dataset):  # type: ignore[type-arg]
         values = torch.randint(0, 100, shape, generator=torch.Generator().manual_seed(i))
         sample = values.to(torch.float64 if twist == "dtype" else dtype)
         if twist == "subclass":
-            return sample.as_subclass(Tagged)
+            return sample.as_subclass(TaggedTensor)
         if twist == "array":
             return sample.numpy()
         return sample

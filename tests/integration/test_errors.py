@@ -6,6 +6,8 @@ loader, and every later ``next()`` says why."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import multiprocessing
 import pickle
 import re
 from typing import Any, Callable
@@ -27,8 +29,9 @@ def said(exc: BaseException) -> tuple[str, str, str]:
 
 def outcomes(loader: Any, epochs: int = 1, batch: Callable[[Any], Any] = lambda b: b.flatten().tolist(),
              error: Callable[[BaseException], Any] = said) -> list[list[tuple[str, Any]]]:
-    """Per epoch, every ``next()`` in order: ("batch", ``batch(it)``) or ("error", ``error(it)``);
-    by default the batch's values, and the error's type, first line and last line."""
+    """Per epoch, every ``next()`` in order: ("batch", ``batch`` of what it returned) or ("error",
+    ``error`` of what it raised); by default the batch's values, and the error's type, first
+    line and last line."""
     out = []
     for _ in range(epochs):
         it = iter(loader)
@@ -192,3 +195,19 @@ def test_an_unpicklable_exception_arrives_as_text_naming_its_type(bad: int) -> N
     assert name == "RuntimeError" and first.startswith("Caught RuntimeError (raised as tests.datasets.")
     assert first.endswith("DiskOnFire, which cannot be pickled) in DataLoader worker process 0.")
     assert last.endswith(f"DiskOnFire: sample {bad}: disk on fire")
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_caught_batch_error_does_not_keep_the_loader_alive(persistent: bool) -> None:
+    # torch's ExceptionWrapper.reraise() leaves the exception it raised in its own frame, a
+    # reference cycle through the traceback and every frame up to the iterator: caught and
+    # dropped, the error would still keep the iterator, its workers and its ring until the
+    # garbage collector ran. Dropping the loader stops its workers at once.
+    gc.disable()
+    try:
+        loader = shmloader.DataLoader(BadSamples(24, (5,)), batch_size=4, num_workers=2, persistent_workers=persistent)
+        assert [kind for kind, _ in outcomes(loader)[0]] == ["batch", "error"] + ["batch"] * 4
+        del loader
+        assert not [c for c in multiprocessing.active_children() if c.name.startswith("shmloader-worker")]
+    finally:
+        gc.enable()

@@ -4,6 +4,7 @@ errors: worker exceptions, oversize batches, timeouts, dead workers, a full /dev
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import sys
 from typing import Any
@@ -312,3 +313,16 @@ def test_no_wait_ends_by_its_timeout(monkeypatch: pytest.MonkeyPatch, persistent
             del it  # broken off after one batch
         assert [b.tolist() for b in loader] == want
     assert timed_out == []
+
+
+def test_shutdown_after_its_connections_were_finalized() -> None:
+    # Collected in a reference cycle, the iterator's finalizer may run after those of its
+    # pipes to the workers, which close their fds but keep their handles: stopping the
+    # workers must not fail on those (EBADF), and must still stop them.
+    loader = shmloader.DataLoader(Range(40), batch_size=4, num_workers=2, persistent_workers=True)
+    it = iter(loader)
+    assert next(it).flatten().tolist() == [0, 1, 2, 3]
+    for conn in it._pool.conns:
+        conn.__del__()  # what the garbage collector may run first
+    it._shutdown_workers()
+    assert not [c for c in multiprocessing.active_children() if c.name.startswith("shmloader-worker")]
