@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "shared" / "bench")
 import limit_probe as lp  # noqa: E402
 
 import shmloader  # noqa: E402
+from placement import place  # noqa: E402
 from shmloader import _consume, _worker  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -126,16 +127,6 @@ def busy(epoch: Callable[[], Any], us: float) -> Callable[[], Any]:
             yield batch
 
     return slower
-
-
-def place(how: str, pids: list[int]) -> None:
-    """Pin the main process and ``pids`` (the workers) as ``how`` says (see the module's text)."""
-    every = set(range(os.cpu_count() or 1))
-    cpus = {"free": (every, [every] * len(pids)), "apart": ({0}, [{1}] * len(pids)),
-            "shared": ({0}, [{i % 2} for i in range(len(pids))])}[how]
-    os.sched_setaffinity(0, cpus[0])
-    for pid, mine in zip(pids, cpus[1]):
-        os.sched_setaffinity(pid, mine)
 
 
 def experiments(args: argparse.Namespace) -> None:

@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import Dataset
 
 import shmloader
+from placement import place
 from shmloader import _collate, _consume, _dispatch, _lease, _ring, _stats, _worker
 
 WORK = {"tiny": ((16,), torch.float32, 32), "tokens": ((512,), torch.int64, 64), "image": ((3, 224, 224), torch.uint8, 128)}
@@ -142,9 +143,7 @@ def run(name: str, batches: int, profile: bool, pin: bool = False) -> tuple[floa
     it = loader._iterator
     pids = [p.pid for p in it._pool.procs]
     if pin:
-        os.sched_setaffinity(0, {0})
-        for pid in pids:
-            os.sched_setaffinity(pid, {1})
+        place("apart", pids)
     workers_before = sum(cpu_s(p) for p in pids)
     began, cpu = time.perf_counter(), time.thread_time()
     for _ in loader:
@@ -153,7 +152,7 @@ def run(name: str, batches: int, profile: bool, pin: bool = False) -> tuple[floa
     workers_cpu = sum(cpu_s(p) for p in pids) - workers_before
     it._shutdown_workers()
     if pin:
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        place("free", [])
     del it, loader
     worker_accs = []
     for f in os.listdir(out):

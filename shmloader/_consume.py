@@ -225,10 +225,8 @@ class RingIterator(_BaseDataLoaderIter):
         stager = self._stager
         if self._ring is not None:
             table = self._table
-            leases = self._leases
-            if leases.returned:
-                for returned in leases.take_returned():
-                    table.give_back(returned)
+            if self._leases.returned:
+                self._give_back_returned()
             if stager is not None:
                 self._copied(stager.reap())
             self._collect()
@@ -276,8 +274,7 @@ class RingIterator(_BaseDataLoaderIter):
         table = self._table
         leases = self._leases
         if leases.returned:
-            for returned in leases.take_returned():
-                table.give_back(returned)
+            self._give_back_returned()
         self._collect()
         if table.waiting_count or self._grow_to is not None:
             return self._round()  # overflow memory to grant, or a ring to grow
@@ -295,6 +292,11 @@ class RingIterator(_BaseDataLoaderIter):
             return self._round()  # an exhausted shard's STOP was taken: the round goes on from it
         self._dispatch()  # as in _round: the batch taken left the tasks
         return self._deliver(slot)
+
+    def _give_back_returned(self) -> None:
+        """Slots whose batches the user dropped (or released) become free."""
+        for returned in self._leases.take_returned():
+            self._table.give_back(returned)
 
     def _copied(self, slots: list[int]) -> None:
         """Device copies out of ``slots`` completed: the slots (and their overflow memory) return."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import NoReturn
+
+from torch._utils import ExceptionWrapper
 
 
 class ShmLoaderError(RuntimeError):
@@ -30,14 +32,14 @@ class MemoryBudgetError(ShmLoaderError, MemoryError):
     """``memory_budget`` cannot hold one slot per worker, or one batch beside the ring."""
 
 
-def raise_worker_error(error: Any) -> NoReturn:
+def raise_worker_error(error: ExceptionWrapper) -> NoReturn:
     """``error.reraise()`` (a worker's ``ExceptionWrapper``) without the reference cycle it
     makes: its finished frame keeps the exception it raised, whose traceback keeps that frame
     and the caller's, so the iterator that raised it (its workers, its ring) would live until
     the garbage collector's next pass, however soon the caller dropped the exception; and
     collected in a cycle, finalizers run in any order."""
     try:
-        error.reraise()
+        error.reraise()  # type: ignore[no-untyped-call]
     except BaseException as exc:
         tb = exc.__traceback__
         while tb is not None and tb.tb_next is not None:
