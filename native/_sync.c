@@ -199,13 +199,42 @@ static int store_ints(PyObject *seq, char *h) {
 PyDoc_STRVAR(post_task_doc,
 "post_task($module, buffer, header, epoch, seq, index, pickled, data, cap, entry, slot, sem, /)\n--\n\n"
 "Hand a task to a worker in one call. The index goes to buffer[data:data+cap]: with `pickled`\n"
-"false, `index` must be a list of exact ints that fit int64 (a batch sampler's), stored as\n"
-"int64 values (TASK_LEN -2 - n); with `pickled` true, `index` is the pickled index's bytes\n"
+"false, `index` must be a list of exact ints that fit int64 (a batch sampler's) or a range\n"
+"whose values fit int64 (standing for the list of them), stored as int64 values\n"
+"(TASK_LEN -2 - n); with `pickled` true, `index` is the pickled index's bytes\n"
 "(TASK_LEN their length). Then the header at buffer[header:] gets IDLE, epoch, seq, TASK_LEN,\n"
 "buffer[entry] (the worker's queue entry) gets `slot`, and the semaphore at buffer[sem] is\n"
 "posted (a full barrier: the worker sees every write once it takes the token).\n"
 "Returns 1 when posted; 0 when the index does not fit `cap` bytes (nothing written); -1 when\n"
-"`index` is not such a list (nothing written: pickle it and call again).");
+"`index` is not such a list or range (nothing written: pickle it and call again).");
+
+/* The `n` values of range `r` as int64 at dst (only checked when not `fit`): 1 when they all
+   fit int64, 0 when one does not, -1 on error. */
+static int store_range(PyObject *r, char *dst, Py_ssize_t n, int fit) {
+    PyObject *start_obj = PyObject_GetAttrString(r, "start");
+    PyObject *step_obj = start_obj ? PyObject_GetAttrString(r, "step") : NULL;
+    int ok = 0;
+    if (step_obj != NULL) {
+        int o1 = 0, o2 = 0;
+        long long start = PyLong_AsLongLongAndOverflow(start_obj, &o1);
+        long long step = PyLong_AsLongLongAndOverflow(step_obj, &o2);
+        ok = !((start == -1 || step == -1) && PyErr_Occurred()) ? 1 : -1;
+        if (ok == 1 && (o1 || o2)) ok = 0;
+        long long span, last;  /* the values run monotonically from start to the last one */
+        if (ok == 1 && n > 0 && (__builtin_mul_overflow((long long)(n - 1), step, &span) ||
+                                 __builtin_add_overflow(start, span, &last)))
+            ok = 0;
+        for (Py_ssize_t i = 0; ok == 1 && fit && i < n; i++) {
+            int64_t v64 = (int64_t)(start + (long long)i * step);
+            memcpy(dst + 8 * i, &v64, 8);
+        }
+    } else {
+        ok = -1;
+    }
+    Py_XDECREF(start_obj);
+    Py_XDECREF(step_obj);
+    return ok;
+}
 
 static PyObject *py_post_task(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_ssize_t header, data, cap, entry, sem_off;
@@ -221,7 +250,8 @@ static PyObject *py_post_task(PyObject *self, PyObject *const *args, Py_ssize_t 
     int pickled = PyObject_IsTrue(args[5]);
     if (pickled < 0) return NULL;
     PyObject *index = args[4];
-    if (pickled ? !PyBytes_Check(index) : !PyList_CheckExact(index)) {
+    int is_range = !pickled && PyRange_Check(index);
+    if (pickled ? !PyBytes_Check(index) : !(PyList_CheckExact(index) || is_range)) {
         if (pickled) {
             PyErr_SetString(PyExc_TypeError, "post_task: a pickled index must be bytes");
             return NULL;
@@ -245,6 +275,24 @@ static PyObject *py_post_task(PyObject *self, PyObject *const *args, Py_ssize_t 
         }
         memcpy(dst, PyBytes_AS_STRING(index), (size_t)n);
         task_len = n;
+    } else if (is_range) {
+        Py_ssize_t n = PyObject_Size(index);
+        if (n < 0) {  /* a range too long for a size: never a batch's */
+            PyErr_Clear();
+            result = PyLong_FromLong(-1);
+            goto release;
+        }
+        int fit = n <= cap / 8;
+        int stored = store_range(index, dst, n, fit);
+        if (stored <= 0) {
+            if (stored == 0) result = PyLong_FromLong(-1);
+            goto release;
+        }
+        if (!fit) {
+            result = PyLong_FromLong(0);
+            goto release;
+        }
+        task_len = -2 - (int64_t)n;
     } else {
         /* -1 for any list that is not all int64 ints, whatever its size, so the caller's pickle
            can still fit; 0 for one that is but does not fit. Values are stored as they are

@@ -44,7 +44,7 @@ import torch.autograd.profiler as _profiler
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
 from . import _checkpoint, _device
-from ._dispatch import Dispatcher
+from ._dispatch import Dispatcher, as_list, batches_of
 from ._errors import CorruptSlotError, MemoryBudgetError, WorkerDiedError, raise_worker_error
 from ._budget import plan_ring
 from ._layout import IDLE, PAGE, RESIZE_TASK, Counter, Field, Region, RingGeometry, Status, grown_slot_bytes, round_up
@@ -160,6 +160,7 @@ class RingIterator(_BaseDataLoaderIter):
     # ---------------------------------------------------------------- epochs
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)
+        self._sampler_iter = batches_of(self._index_sampler)
         self._failed_batches = 0
         if not first_iter:
             self._table.new_epoch()
@@ -320,7 +321,7 @@ class RingIterator(_BaseDataLoaderIter):
             if task is None:
                 return
             wid, seq, index = task
-            self._pool.send(wid, ("probe", self._table.epoch, seq, index))
+            self._pool.send(wid, ("probe", self._table.epoch, seq, as_list(index)))
             yield from self._wait_conns([wid])
             try:
                 _, status, needed, error = self._pool.conns[wid].recv()
@@ -381,7 +382,7 @@ class RingIterator(_BaseDataLoaderIter):
         doing = ""
         if current:
             slot = next(s for s in table.of_worker(wid) if table.tasks[s].seq == current[0])
-            doing = f" while producing batch {current[0]} (index {table.tasks[slot].index!r:.200})"
+            doing = f" while producing batch {current[0]} (index {as_list(table.tasks[slot].index)!r:.200})"
         used = self._counters.worker_restarts
         reason = None
         if not self._started:
@@ -445,7 +446,7 @@ class RingIterator(_BaseDataLoaderIter):
         epoch = self._table.epoch
         posted = ring.post_task(wid, slot, epoch, seq, index)
         if posted == NOT_INTS:
-            posted = ring.post_task(wid, slot, epoch, seq, pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL), True)
+            posted = ring.post_task(wid, slot, epoch, seq, pickle.dumps(as_list(index), protocol=pickle.HIGHEST_PROTOCOL), True)
         if posted == POSTED:
             return
         size = self._dispatcher.send_index(ring, slot, wid, epoch, seq, index,

@@ -13,8 +13,33 @@ from __future__ import annotations
 import pickle
 from typing import Any, Callable
 
+from torch.utils.data import BatchSampler, SequentialSampler
+
 from ._layout import IDLE, Field
 from ._ring import Ring
+
+
+def batches_of(index_sampler: Any) -> Any:
+    """``iter(index_sampler)``, except for torch's own BatchSampler over its SequentialSampler
+    (those exact types): the same batches as ``range`` objects, which ``Ring.post_task`` writes
+    as the list of their ints without making one. A task's index may so be a range; anything
+    that hands it on as an index (a pipe, a pickle, a message) takes ``as_list(index)``."""
+    if type(index_sampler) is BatchSampler and type(index_sampler.sampler) is SequentialSampler:
+        return _sequential_batches(index_sampler.sampler.data_source, index_sampler.batch_size,
+                                   index_sampler.drop_last)
+    return iter(index_sampler)
+
+
+def _sequential_batches(source: Any, size: int, drop_last: bool) -> Any:
+    n = len(source)  # when the first batch is asked for, as BatchSampler's loop asks
+    stop = n - n % size if drop_last else n
+    for start in range(0, stop, size):
+        yield range(start, min(start + size, n))
+
+
+def as_list(index: Any) -> Any:
+    """The index the batch sampler stands for (a range from ``batches_of``: its list)."""
+    return list(index) if type(index) is range else index
 
 
 class Dispatcher:
@@ -46,7 +71,7 @@ class Dispatcher:
                    send: Callable[[int, tuple[Any, ...]], object]) -> int:
         """Queue a task whose index does not fit ``slot`` for worker ``wid``: the pickled index
         goes over the worker's connection (``send``). Returns its size."""
-        payload = pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps(as_list(index), protocol=pickle.HIGHEST_PROTOCOL)
         hdr = ring.headers[slot]
         hdr[Field.STATE] = IDLE
         hdr[Field.EPOCH] = epoch

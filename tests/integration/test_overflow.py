@@ -191,6 +191,9 @@ def test_an_index_larger_than_its_slot_travels_too() -> None:
     sampler = [list(range(0, 4096)), list(range(4096, 8192)), list(range(8192 - 3, 8192))]
     got = list(shmloader.DataLoader(Bytes(), batch_sampler=sampler[::-1], num_workers=2))
     same(got, list(tud.DataLoader(Bytes(), batch_sampler=sampler[::-1])))
+    # The same from a sequential sampler, whose tasks carry ranges: the list goes over the pipe
+    got = list(shmloader.DataLoader(Bytes(), batch_size=4096, num_workers=2))
+    same(got, list(tud.DataLoader(Bytes(), batch_size=4096)))
 
 
 @pytest.fixture

@@ -218,6 +218,22 @@ def test_the_dataset_gets_the_index_torch_gives_it(workers: int) -> None:
     assert got[3][0] == "list:bool:True" and got[4][0] == "tuple:int:6"
 
 
+class ManyIndexTypes(IndexTypes):
+    def __len__(self) -> int:
+        return 23
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("batch_size", [1, 5, 23, 64])
+def test_a_sequential_sampler_gives_the_dataset_torchs_lists(batch_size: int, drop_last: bool) -> None:
+    # torch's BatchSampler over its SequentialSampler: tasks carry ranges (no list is made in the
+    # main process), and every batch, the first (sent to size the ring) too, is a list of ints.
+    kw: dict[str, Any] = {"batch_size": batch_size, "drop_last": drop_last, "collate_fn": list}
+    want = list(tud.DataLoader(ManyIndexTypes(), **kw))
+    assert list(shmloader.DataLoader(ManyIndexTypes(), num_workers=2, **kw)) == want
+    assert all(s.startswith("list:int:") for batch in want for s in batch)
+
+
 class CountingSampler:
     """A batch sampler that counts the batches drawn from it: the tasks a loader dispatched."""
 

@@ -49,6 +49,15 @@ def test_a_task_reads_back_as_the_index_it_was_posted_with() -> None:
         assert ring.post_task(1, 0, 7, 99, [1, 2**63]) == -1  # past int64: pickled instead
         assert ring.post_task(1, 0, 7, 99, [1, 2.0]) == -1
         assert worker.take_task(0.0) is None  # none of those was queued
+        # A range stands for the list of its ints (a sequential batch sampler's batches)
+        for seq, rng in enumerate([range(64, 128), range(10, -11, -3), range(5, 5), range(2**63 - 3, 2**63)]):
+            assert ring.post_task(1, seq % 3, 7, seq, rng) == 1
+            assert worker.take_task(0.0)[3] == list(rng)  # type: ignore[index]
+        assert ring.post_task(1, 0, 7, 99, range(2**63 - 3, 2**63 + 1)) == -1  # past int64: pickled instead
+        assert ring.post_task(1, 0, 7, 99, range(-(2**63) - 1, 0)) == -1
+        assert ring.post_task(1, 0, 7, 99, range(0, 10**18)) == 0  # does not fit (and is not walked)
+        assert ring.post_task(1, 0, 7, 99, range(0, 2**70)) == -1  # no length: pickled (and refused there)
+        assert worker.take_task(0.0) is None
         ring.headers[2][Field.TASK_LEN] = -1  # the index comes over the connection
         ring.push_task(1, 2)
         assert worker.take_task(0.0)[3] is None  # type: ignore[index]
