@@ -392,7 +392,42 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(unviewed_doc,
+"unviewed($module, bases, remove, /)\n"
+"--\n\n"
+"The keys of the dict `bases` whose value nothing but the dict references (a lent slot's base\n"
+"array once every view of its batch is gone), as a list; with `remove` true they leave the dict\n"
+"in the same call (atomic under the GIL: another thread's dict.pop gets a key or this does).");
+
+static PyObject *unviewed(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyDict_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "unviewed takes a dict and a flag");
+        return NULL;
+    }
+    int remove = PyObject_IsTrue(args[1]);
+    if (remove < 0) return NULL;
+    PyObject *bases = args[0], *out = PyList_New(0), *key, *value;
+    if (out == NULL) return NULL;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(bases, &pos, &key, &value)) {
+        if (Py_REFCNT(value) == 1 && PyList_Append(out, key) < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    /* Dropping a base runs no Python code (a numpy array over the ring's mapping): the dict
+       cannot change between the loops. */
+    for (Py_ssize_t i = 0; remove && i < PyList_GET_SIZE(out); i++) {
+        if (PyDict_DelItem(bases, PyList_GET_ITEM(out, i)) < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"unviewed", (PyCFunction)(void (*)(void))unviewed, METH_FASTCALL, unviewed_doc},
     {"same_attr", (PyCFunction)(void (*)(void))same_attr, METH_FASTCALL, same_attr_doc},
     {"encode_table", encode_table, METH_VARARGS, encode_table_doc},
     {"decode_table", decode_table, METH_VARARGS, decode_table_doc},

@@ -226,8 +226,7 @@ class RingIterator(_BaseDataLoaderIter):
         stager = self._stager
         if self._ring is not None:
             table = self._table
-            if self._leases.returned:
-                self._give_back_returned()
+            self._give_back_returned()
             if stager is not None:
                 self._copied(stager.reap())
             self._collect()
@@ -274,8 +273,7 @@ class RingIterator(_BaseDataLoaderIter):
         general path waits next)."""
         table = self._table
         leases = self._leases
-        if leases.returned:
-            self._give_back_returned()
+        self._give_back_returned()
         self._collect()
         if table.waiting_count or self._grow_to is not None:
             return self._round()  # overflow memory to grant, or a ring to grow

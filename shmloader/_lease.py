@@ -4,8 +4,8 @@
 views of slot memory (or copies, when the ring must keep a slot for the workers).
 ``Leases`` tracks which slots the user still holds: every delivered batch gets a
 fresh numpy base array over its slot; every tensor and array of the batch keeps
-that base alive, and when the last of them is dropped a weakref callback returns
-the slot. ``release`` returns one early.
+that base alive, and once nothing else does the slot is back. ``release`` returns
+one early.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import collections.abc
 import functools
 import io
 import pickle
-import threading
-import weakref
 from typing import Any, Callable
 
 import numpy as np
@@ -35,65 +33,48 @@ _REGION = Field.REGION
 
 
 class Leases:
-    """Slots lent to the user. ``lend``, ``take_returned`` and ``holding`` run in the consumer's
-    thread; the weak-reference callbacks (a batch's last view dropped) in any thread, and
-    ``release`` in any thread.
-
-    A callback only appends ``(slot, its reference)`` to a deque (atomic under the GIL: no lock
-    on the per-batch path); ``take_returned`` accepts an entry only while that reference is
-    still the slot's current one, so a stale entry (the slot released early, then lent again)
-    is dropped. ``release`` retires the reference itself, under a lock it shares with
-    ``take_returned`` only."""
+    """Slots lent to the user. Every delivered batch has a fresh numpy base array over its slot,
+    which each of its tensors and arrays keeps alive; this table holds one more reference. A slot
+    is back once that is the base's only reference (``take_returned`` looks, one native call, no
+    callback and no lock on the per-batch path), or once ``release`` retired it, early, from any
+    thread: a key leaves ``_bases`` exactly once, by ``dict.pop`` or by the native call, each
+    atomic under the GIL, so a slot comes back once and a lent-again slot never for a stale
+    reason."""
 
     def __init__(self, num_slots: int) -> None:
-        self._refs: dict[int, weakref.ref[Any]] = {}
-        self._returned: collections.deque[tuple[int, weakref.ref[Any] | None]] = collections.deque()
-        self._lock = threading.Lock()
-        self.lent: set[int] = set()
-        # One callback per slot, made once (a weak reference's callback gets the reference).
-        self._dropped = [functools.partial(self._gone, slot) for slot in range(num_slots)]
+        self._bases: dict[int, np.ndarray[Any, Any]] = {}
+        self._released: collections.deque[int] = collections.deque()
 
     def lend(self, slot: int, base: np.ndarray[Any, Any]) -> None:
-        self.lent.add(slot)
-        self._refs[slot] = weakref.ref(base, self._dropped[slot])
-
-    def _gone(self, slot: int, ref: weakref.ref[Any]) -> None:
-        self._returned.append((slot, ref))
+        self._bases[slot] = base
 
     def release(self, slot: int) -> bool:
         """Return ``slot`` now, whoever still views it. False if it was not lent."""
-        with self._lock:
-            if slot not in self.lent or self._refs.pop(slot, None) is None:
-                return False
-            self._returned.append((slot, None))  # None: retired here; its callback's entry goes stale
-            return True
+        if self._bases.pop(slot, None) is None:
+            return False
+        self._released.append(slot)
+        return True
 
     @property
     def returned(self) -> bool:
-        """Whether slots may have been returned since the last ``take_returned``."""
-        return bool(self._returned)
+        """Whether slots have come back since the last ``take_returned``."""
+        return bool(self._released) or bool(_native.unviewed(self._bases, False))
 
     def take_returned(self) -> list[int]:
-        out = []
-        with self._lock:
-            refs = self._refs
-            while self._returned:
-                slot, ref = self._returned.popleft()
-                if ref is not None:
-                    if refs.get(slot) is not ref:
-                        continue  # stale: released early, maybe lent again since
-                    del refs[slot]
-                self.lent.discard(slot)
-                out.append(slot)
+        out: list[int] = _native.unviewed(self._bases, True)
+        released = self._released
+        while released:
+            out.append(released.popleft())
         return out
 
     def holding(self) -> int:
         """Slots the user holds right now."""
-        if not self._returned:
-            return len(self.lent)
-        with self._lock:
-            pending = {slot for slot, ref in list(self._returned) if ref is None or self._refs.get(slot) is ref}
-        return len(self.lent) - len(pending)
+        return len(self._bases) - len(_native.unviewed(self._bases, False))
+
+    @property
+    def lent(self) -> set[int]:
+        """Slots not yet taken back."""
+        return set(self._bases) | set(self._released)
 
 
 class _LeafUnpickler(pickle.Unpickler):

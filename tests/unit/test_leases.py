@@ -90,3 +90,19 @@ def test_batches_dropped_by_other_threads_come_back_exactly_once() -> None:
     gc.collect()
     taken += leases.take_returned()
     assert sorted(taken) == list(range(n)) and leases.holding() == 0 and leases.lent == set()
+
+
+def test_a_view_of_a_view_keeps_the_slot_lent() -> None:
+    # What a batch's last view is: a tensor over the base, a slice of it, a numpy view of that.
+    import torch
+
+    leases = Leases(1)
+    b = base()
+    tensor = torch.from_numpy(b)
+    leases.lend(0, b)
+    del b
+    part = tensor[1:].numpy()[::2]
+    del tensor
+    assert not leases.returned and leases.holding() == 1 and leases.take_returned() == []
+    del part
+    assert leases.returned and leases.take_returned() == [0] and leases.holding() == 0
