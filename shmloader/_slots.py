@@ -29,6 +29,7 @@ class SlotState(enum.IntEnum):
 
 
 _FREE, _IN_FLIGHT, _READY, _LENT = SlotState.FREE, SlotState.IN_FLIGHT, SlotState.READY, SlotState.LENT
+_new_task = tuple.__new__
 
 
 class Task(NamedTuple):  # a tuple: made for every batch, so cheap to make
@@ -90,7 +91,7 @@ class SlotTable:
         if self.state[slot] is not _FREE:
             self._wrong(slot, (_FREE,))
         self.state[slot] = _IN_FLIGHT
-        self.tasks[slot] = Task(worker, self.epoch, seq, index)
+        self.tasks[slot] = _new_task(Task, (worker, self.epoch, seq, index, 0))  # Task(...) without its Python __new__
         self.load[worker] += 1
         self.outstanding += 1
         return slot
