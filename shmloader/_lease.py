@@ -166,7 +166,7 @@ def read_batch(ring: Ring, slot: int, convert: LeafConverter | None = None,
             leaf = torch.from_numpy(arr) if kind == _TENSOR else arr
             return (leaf if convert is None else convert(leaf, kind)), arr, nbytes
     # A fresh array over the data region: every leaf views it (and nothing else), so it
-    # lives exactly as long as the batch's last view (the lease's weak reference is on it).
+    # lives exactly as long as the batch's last view (the lease table watches its references).
     base = np.ndarray((cap,), _U8, mm, data_off)
     leaves: list[Any] = []
     total = 0
