@@ -239,10 +239,12 @@ class RingIterator(_BaseDataLoaderIter):
             self._dispatch()
             if stager is None:
                 slot = self._take_next()
+                # The batch taken left the tasks: dispatch the next one now, as torch's loader
+                # does, so W*P tasks stay in flight while the caller's step runs. Ends of shards
+                # taken left them too: the last live one's may leave nothing in flight, and only
+                # a dispatch finds that no worker is left (the epoch's end, just below).
+                self._dispatch()
                 if slot is not None:
-                    # The batch taken left the tasks: dispatch the next one now, as torch's
-                    # loader does, so W*P tasks stay in flight while the caller's step runs.
-                    self._dispatch()
                     return self._deliver(slot)
             else:
                 try:

@@ -3,6 +3,7 @@ errors: worker exceptions, oversize batches, timeouts, dead workers, a full /dev
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import multiprocessing
 import os
@@ -14,7 +15,9 @@ import pytest
 import torch
 
 import shmloader
-from shmloader import _consume, _ring, _shm
+from shmloader import _consume, _native, _ring, _shm
+from shmloader._layout import DONE
+from shmloader._slots import SlotState
 from tests.conftest import same
 from tests.datasets import Failing, Gated, IndexPid, Pid, Range, Shards, Sized
 
@@ -313,6 +316,63 @@ def test_no_wait_ends_by_its_timeout(monkeypatch: pytest.MonkeyPatch, persistent
             del it  # broken off after one batch
         assert [b.tolist() for b in loader] == want
     assert timed_out == []
+
+
+def every_task_published(it: Any) -> None:
+    """Return once every task in flight is published (a condition on the ring, not a sleep), so
+    the consumer's next round finds all of them at once."""
+    ring, table = it._ring, it._table
+    while any(table.state[s] is SlotState.IN_FLIGHT and _native.load_acquire(ring.mm, ring.state_offsets[s]) != DONE
+              for s in list(table.tasks)):
+        os.sched_yield()
+
+
+@pytest.mark.parametrize("in_order", [False, True])
+def test_the_round_that_takes_the_last_shards_end_ends_the_epoch(monkeypatch: pytest.MonkeyPatch,
+                                                                   in_order: bool) -> None:
+    # The shards run out; the round that takes the last live worker's end of shard takes every
+    # task still dispatched with it (all published). Nothing is in flight then, and only a
+    # dispatch finds that no worker is left: the round must do it, not sleep for nothing.
+    monkeypatch.setattr(_consume, "CHECK_S", 20.0)
+    timed_out = []
+    take_ready = _ring._Views.take_ready
+
+    def counted(self: Any, timeout: float) -> bool:
+        got = take_ready(self, timeout)
+        if timeout > 0 and not got:
+            timed_out.append(timeout)
+        return got
+
+    monkeypatch.setattr(_ring._Views, "take_ready", counted)
+    kw: dict[str, Any] = dict(batch_size=4, num_workers=2)
+    want = sorted(b.tolist() for b in torch.utils.data.DataLoader(Shards(90), **kw))
+    it = iter(shmloader.DataLoader(Shards(90), in_order=in_order, **kw))
+    got = []
+    while True:
+        if it._ring is not None:
+            every_task_published(it)
+        try:
+            got.append(next(it).tolist())
+        except StopIteration:
+            break
+    assert sorted(got) == want and timed_out == []
+
+
+def test_async_for_ends_the_epoch_when_the_last_shard_ends() -> None:
+    # The same round under async for, whose wait has no heartbeat: it would never end.
+    async def run() -> list[Any]:
+        it = aiter(shmloader.DataLoader(Shards(90), batch_size=4, num_workers=2))
+        got = []
+        while True:
+            if it._ring is not None:
+                every_task_published(it)
+            try:
+                got.append((await asyncio.wait_for(anext(it), 60)).tolist())  # a guard: it hung
+            except StopAsyncIteration:
+                return got
+
+    want = [b.tolist() for b in torch.utils.data.DataLoader(Shards(90), batch_size=4, num_workers=2)]
+    assert asyncio.run(run()) == want
 
 
 def test_shutdown_after_its_connections_were_finalized() -> None:
