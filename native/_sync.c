@@ -209,31 +209,31 @@ PyDoc_STRVAR(post_task_doc,
 "`index` is not such a list or range (nothing written: pickle it and call again).");
 
 /* The `n` values of range `r` as int64 at dst (only checked when not `fit`): 1 when they all
-   fit int64, 0 when one does not, -1 on error. */
+   fit int64, 0 when one does not, -1 on error. A range's values run monotonically from its
+   first to its last, so those two decide; the step between them is exact in 128 bits. */
+static int range_end(PyObject *r, Py_ssize_t i, long long *out) {
+    PyObject *v = PySequence_GetItem(r, i);
+    if (v == NULL) return -1;
+    int overflow = 0;
+    *out = PyLong_AsLongLongAndOverflow(v, &overflow);
+    Py_DECREF(v);
+    if (*out == -1 && PyErr_Occurred()) return -1;
+    return !overflow;
+}
+
 static int store_range(PyObject *r, char *dst, Py_ssize_t n, int fit) {
-    PyObject *start_obj = PyObject_GetAttrString(r, "start");
-    PyObject *step_obj = start_obj ? PyObject_GetAttrString(r, "step") : NULL;
-    int ok = 0;
-    if (step_obj != NULL) {
-        int o1 = 0, o2 = 0;
-        long long start = PyLong_AsLongLongAndOverflow(start_obj, &o1);
-        long long step = PyLong_AsLongLongAndOverflow(step_obj, &o2);
-        ok = !((start == -1 || step == -1) && PyErr_Occurred()) ? 1 : -1;
-        if (ok == 1 && (o1 || o2)) ok = 0;
-        long long span, last;  /* the values run monotonically from start to the last one */
-        if (ok == 1 && n > 0 && (__builtin_mul_overflow((long long)(n - 1), step, &span) ||
-                                 __builtin_add_overflow(start, span, &last)))
-            ok = 0;
-        for (Py_ssize_t i = 0; ok == 1 && fit && i < n; i++) {
-            int64_t v64 = (int64_t)(start + (long long)i * step);
-            memcpy(dst + 8 * i, &v64, 8);
-        }
-    } else {
-        ok = -1;
+    if (n == 0) return 1;  /* the empty list, whatever the bounds */
+    long long first, second = 0, last;
+    int ok = range_end(r, 0, &first);
+    if (ok == 1) ok = range_end(r, n - 1, &last);
+    if (ok == 1 && n > 1) ok = range_end(r, 1, &second);
+    if (ok != 1 || !fit) return ok;
+    __int128 step = (__int128)second - (__int128)first;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t v64 = (int64_t)((__int128)first + (__int128)i * step);
+        memcpy(dst + 8 * i, &v64, 8);
     }
-    Py_XDECREF(start_obj);
-    Py_XDECREF(step_obj);
-    return ok;
+    return 1;
 }
 
 static PyObject *py_post_task(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {

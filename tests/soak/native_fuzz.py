@@ -14,7 +14,10 @@ Each round checks what the functions promise, not only that they survive:
   raise TypeError or ValueError, never write past ``limit``;
 - ``post_task`` stores a list of exact ints that fit int64 as int64 values and reads back
   through ``take_task`` as the same list; anything else (bools, floats, tuples, ints out of
-  range) it refuses with -1, an index larger than the data region with 0, queueing nothing;
+  range) it refuses with -1, an index larger than the data region with 0, queueing nothing; a
+  range stands for the list of its values (refused with -1 when one does not fit int64);
+- ``unviewed`` returns (and with ``remove`` drops) exactly the keys whose value only the dict
+  references, and refuses anything but a dict;
 - ``Items`` (the shared list's reader) refuses tables outside its buffer with ValueError; over
   random offset and code tables, ``items[i]`` returns the marshalled element, raises
   ValueError for offsets outside the blob, or hands the key to ``_item``; ``plain_value``
@@ -308,22 +311,62 @@ def fuzz_pack(native: Any, rng: random.Random, g: Guarded) -> None:
     items = [rng.choice([0, -1, 2**63 - 1, -(2**63), 2**63, -(2**63) - 1, 10**30, True, 1.0, "1", None,
                          rng.randrange(-(2**70), 2**70)]) for _ in range(rng.randrange(0, 40))]
     index: Any = items if rng.random() < 0.9 else tuple(items)
+    if rng.random() < 0.3:  # a range stands for the list of its values
+        ends = [0, 5, -7, 2**63 - 3, 2**63, -(2**63), -(2**63) - 1, 10**30, rng.randrange(-(2**64), 2**64)]
+        index = range(rng.choice(ends), rng.choice(ends), rng.choice([1, 2, -1, -3, 2**62, 2**64]))
+        try:
+            items = list(index) if len(index) <= 64 else [0] * 65  # (a longer one never fits the caps below)
+        except OverflowError:  # no length: refused, to be pickled (and refused there)
+            assert native.post_task(g.view, SEMS, 3, 4, index, False, SEMS + 512, 512, SEMS + 256, 1, 0) == -1
+            return
     sem, header, entry, data = 0, SEMS, SEMS + 256, SEMS + 512
     cap = rng.choice([0, 8, 64, 256, 512])
     while native.sem_wait(g.view, sem, 0.0):
         pass
     posted = native.post_task(g.view, header, 3, 4, index, False, data, cap, entry, 1, sem)
-    exact = type(index) is list and all(type(v) is int and -(2**63) <= v < 2**63 for v in items)
+    if type(index) is range:
+        fits = len(index) == 0 or all(-(2**63) <= v < 2**63 for v in (index[0], index[-1]))
+        exact = fits and len(index) <= 64
+        if fits and len(index) > 64:
+            assert posted == 0, (index, posted)
+            assert not native.sem_wait(g.view, sem, 0.0)
+            return
+    else:
+        exact = type(index) is list and all(type(v) is int and -(2**63) <= v < 2**63 for v in items)
     if not exact:
         assert posted == -1, (items, posted)
     elif 8 * len(items) > cap:
         assert posted == 0, (items, cap, posted)
     else:
-        assert posted == 1 and bytes(g.view[data : data + 8 * len(items)]) == struct.pack(f"={len(items)}q", *items)
+        assert posted == 1 and bytes(g.view[data : data + 8 * len(items)]) == struct.pack(f"={len(items)}q", *items), (
+            index, posted, cap)
         task = native.take_task(g.view, sem, entry, (0, header), (0, data), cap, 0.0)
         assert task == (1, 3, 4, items), (task, items)
         return
     assert not native.sem_wait(g.view, sem, 0.0)  # nothing was queued
+
+
+def fuzz_unviewed(native: Any, rng: random.Random, g: Guarded) -> None:
+    """Keys whose value only the dict holds, and (with remove) only those leave it."""
+    held = []
+    bases: dict[Any, Any] = {}
+    for k in range(rng.randrange(0, 12)):
+        value = bytearray(rng.randrange(4))
+        if rng.random() < 0.5:
+            held.append(value)
+        bases[rng.choice([k, str(k), (k,)])] = value
+        del value
+    want = [k for k, v in bases.items() if not any(v is h for h in held)]
+    remove = rng.random() < 0.5
+    assert native.unviewed(bases, remove) == want
+    assert sorted(map(repr, bases)) == sorted(repr(k) for k, v in list(bases.items()) if not remove or k not in want)
+    for bad in ([], None, {1: 2}.items()):
+        try:
+            native.unviewed(bad, True)
+        except TypeError:
+            pass
+        else:
+            raise AssertionError(f"unviewed took {bad!r}")
 
 
 def plain_model(v: Any, depth: int = 0, seen: list[Any] | None = None) -> bool:
@@ -411,7 +454,7 @@ def main() -> None:
     g = Guarded()
     for k in range(0, SEMS, native.SEM_STRIDE):
         native.sem_init(g.view, k)
-    kinds = [fuzz_decode, fuzz_encode, fuzz_sync, fuzz_pack, fuzz_items, fuzz_read_slot, fuzz_same_attr]
+    kinds = [fuzz_decode, fuzz_encode, fuzz_sync, fuzz_pack, fuzz_items, fuzz_read_slot, fuzz_same_attr, fuzz_unviewed]
     for i in range(count):
         rng.choice(kinds)(native, rng, g)
     with open("/proc/self/maps") as maps:
