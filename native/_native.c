@@ -456,6 +456,7 @@ static int add_itemsizes(PyObject *m) {
 }
 
 extern PyMethodDef shmloader_sync_methods[]; /* native/_sync.c */
+extern PyMethodDef shmloader_steady_methods[]; /* native/_steady.c */
 extern const int shmloader_sem_stride;
 extern const int shmloader_task_fields[3];
 extern const int shmloader_state_idle;
@@ -464,7 +465,7 @@ int shmloader_share_init(PyObject *module); /* native/_share.c */
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    if (PyModule_AddFunctions(m, shmloader_sync_methods) < 0 ||
+    if (PyModule_AddFunctions(m, shmloader_sync_methods) < 0 || PyModule_AddFunctions(m, shmloader_steady_methods) < 0 ||
         PyModule_AddIntConstant(m, "SEM_STRIDE", shmloader_sem_stride) < 0 ||
         PyModule_AddIntConstant(m, "N_CODES", N_CODES) < 0 ||
         PyModule_AddIntConstant(m, "LEAF_ALIGN", LEAF_ALIGN) < 0 ||

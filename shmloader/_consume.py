@@ -43,11 +43,11 @@ import torch
 import torch.autograd.profiler as _profiler
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
-from . import _checkpoint, _device
+from . import _checkpoint, _device, _native
 from ._dispatch import Dispatcher, as_list, batches_of
 from ._errors import CorruptSlotError, MemoryBudgetError, WorkerDiedError, raise_worker_error
 from ._budget import plan_ring
-from ._layout import IDLE, PAGE, RESIZE_TASK, Counter, Field, Region, RingGeometry, Status, grown_slot_bytes, round_up
+from ._layout import DONE, IDLE, N_FIELDS, PAGE, RESIZE_TASK, Counter, Field, Region, RingGeometry, Status, grown_slot_bytes, round_up
 from ._lease import Leases, Where, copy_leaf, leaves_of, read_batch, read_dataset_state, read_pickled, slot_of
 from ._overflow import OverflowArena
 from ._pool import WorkerPool
@@ -62,6 +62,11 @@ _OK, _NEED_MEMORY, _PIPE = int(Status.OK), int(Status.NEED_MEMORY), int(Region.P
 MAX_YIELDS, MIN_YIELDS = 64, 4  # sched_yield()s a sync next() tries before it sleeps (~1 µs each when idle)
 CHECK_S = 0.25  # how often a blocked sync wait checks worker liveness
 PARENT_CHECK_S = 0.5  # how often an idle worker checks that this process lives
+# What _native.steady_take needs to know of the slot table and the headers, and its answers.
+_STEADY = (SlotState.FREE, SlotState.IN_FLIGHT, SlotState.READY, SlotState.LENT, DONE, int(Status.OK),
+           int(Status.NEED_MEMORY), int(Region.PIPE), Field.STATE, Field.STATUS, Field.REGION, Field.R_EPOCH,
+           Field.R_SEQ, N_FIELDS)
+_GENERAL = -2
 _END = object()
 _GROW = object()  # the ring must grow before anything else is dispatched
 _COPY = ("copy",)  # wait for the oldest device copy to complete
@@ -269,30 +274,35 @@ class RingIterator(_BaseDataLoaderIter):
         return None
 
     def _steady(self) -> Any:
-        """``next()`` in order, without a device, nothing pending: a round and, until the batch is
-        in, waits and what a round would do after them, in one frame (no generator, no second
-        round). Returns what ``_round`` returns; None means a round found nothing ready (the
-        general path waits next)."""
+        """``next()`` in order, without a device, nothing pending: until the batch is in, one
+        native call (``_native.steady_take``: returned slots back, published slots collected,
+        the next batch taken, the slot table's own transitions), the dispatch, and the waits,
+        in one frame. Anything out of the ordinary goes to ``_round``, whose result this
+        returns; None means a round found nothing ready (the general path waits next)."""
         table = self._table
         leases = self._leases
-        self._give_back_returned()
-        self._collect()
-        if table.waiting_count or self._grow_to is not None:
-            return self._round()  # overflow memory to grant, or a ring to grow
+        ring = self._ring
+        assert ring is not None
+        if leases.released or table.waiting_count or self._grow_to is not None:
+            return self._round()  # a slot released early, overflow memory to grant, or a ring to grow
         self._awaiting_room = False
-        self._dispatch()
-        while self._rcvd_seq not in table.ready:
+        while True:
+            slot, self._banked, gone = _native.steady_take(
+                ring.mm, ring.ready_sem, ring.header_offsets, self._banked, table.tasks, table.state, table.ready,
+                table.load, table.free, leases.bases, table.epoch, self._rcvd_seq, _STEADY)
+            table.outstanding -= gone
+            if slot >= 0:
+                self._rcvd_seq += 1
+                self._dispatch()  # as in _round: the batch taken left the tasks
+                return self._deliver(slot)
+            if slot == _GENERAL:
+                return self._round()  # (a round ran last whenever the general path waits)
+            self._dispatch()
+            if self._grow_to is not None or leases.released:
+                return self._round()
             if self._sampler_done and not table.outstanding:
                 return self._round()  # the epoch ends: the round says so
             self._block(_READY)  # as the general path waits: yields, then workers and timeout checked, then sleep
-            self._collect()
-            if table.waiting_count or self._grow_to is not None or leases.returned:
-                return self._round()  # (a round ran last whenever the general path waits)
-        slot = self._take_next()
-        if slot is None:
-            return self._round()  # an exhausted shard's STOP was taken: the round goes on from it
-        self._dispatch()  # as in _round: the batch taken left the tasks
-        return self._deliver(slot)
 
     def _give_back_returned(self) -> None:
         """Slots whose batches the user dropped (or released) become free."""

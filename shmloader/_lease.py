@@ -37,44 +37,44 @@ class Leases:
     which each of its tensors and arrays keeps alive; this table holds one more reference. A slot
     is back once that is the base's only reference (``take_returned`` looks, one native call, no
     callback and no lock on the per-batch path), or once ``release`` retired it, early, from any
-    thread: a key leaves ``_bases`` exactly once, by ``dict.pop`` or by the native call, each
+    thread: a key leaves ``bases`` exactly once, by ``dict.pop`` or by the native call, each
     atomic under the GIL, so a slot comes back once and a lent-again slot never for a stale
     reason."""
 
     def __init__(self, num_slots: int) -> None:
-        self._bases: dict[int, np.ndarray[Any, Any]] = {}
-        self._released: collections.deque[int] = collections.deque()
+        self.bases: dict[int, np.ndarray[Any, Any]] = {}  # also read by _native.steady_take
+        self.released: collections.deque[int] = collections.deque()
 
     def lend(self, slot: int, base: np.ndarray[Any, Any]) -> None:
-        self._bases[slot] = base
+        self.bases[slot] = base
 
     def release(self, slot: int) -> bool:
         """Return ``slot`` now, whoever still views it. False if it was not lent."""
-        if self._bases.pop(slot, None) is None:
+        if self.bases.pop(slot, None) is None:
             return False
-        self._released.append(slot)
+        self.released.append(slot)
         return True
 
     @property
     def returned(self) -> bool:
         """Whether slots have come back since the last ``take_returned``."""
-        return bool(self._released) or bool(_native.unviewed(self._bases, False))
+        return bool(self.released) or bool(_native.unviewed(self.bases, False))
 
     def take_returned(self) -> list[int]:
-        out: list[int] = _native.unviewed(self._bases, True)
-        released = self._released
+        out: list[int] = _native.unviewed(self.bases, True)
+        released = self.released
         while released:
             out.append(released.popleft())
         return out
 
     def holding(self) -> int:
         """Slots the user holds right now."""
-        return len(self._bases) - len(_native.unviewed(self._bases, False))
+        return len(self.bases) - len(_native.unviewed(self.bases, False))
 
     @property
     def lent(self) -> set[int]:
         """Slots not yet taken back."""
-        return set(self._bases) | set(self._released)
+        return set(self.bases) | set(self.released)
 
 
 class _LeafUnpickler(pickle.Unpickler):
