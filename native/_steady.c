@@ -164,8 +164,10 @@ static PyObject *py_steady_take(PyObject *self, PyObject *const *args, Py_ssize_
     }
     Py_ssize_t slot = PyLong_AsSsize_t(slot_obj);
     if (slot == -1 && PyErr_Occurred()) goto release;
-    if (slot < 0 || slot >= n_slots || PyList_GET_ITEM(state, slot) != READY || field(hdr[slot], f_status) != ok) {
-        code = GENERAL;  /* an end of shard or an error: _take_next says what it is */
+    int has_task = slot >= 0 && slot < n_slots ? PyDict_Contains(tasks, slot_obj) : 0;
+    if (has_task < 0) goto release;
+    if (!has_task || PyList_GET_ITEM(state, slot) != READY || field(hdr[slot], f_status) != ok) {
+        code = GENERAL;  /* an end of shard or an error (_take_next says what it is), or not a slot table's */
         goto answer;
     }
     Py_INCREF(slot_obj);

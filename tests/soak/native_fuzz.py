@@ -17,7 +17,8 @@ Each round checks what the functions promise, not only that they survive:
   range) it refuses with -1, an index larger than the data region with 0, queueing nothing; a
   range stands for the list of its values (refused with -1 when one does not fit int64);
 - ``unviewed`` returns (and with ``remove`` drops) exactly the keys whose value only the dict
-  references, and refuses anything but a dict;
+  references, and refuses anything but a dict; ``steady_take`` over garbage headers and odd
+  tables answers or raises TypeError/ValueError (its logic: ``tests/unit/test_steady_take.py``);
 - ``Items`` (the shared list's reader) refuses tables outside its buffer with ValueError; over
   random offset and code tables, ``items[i]`` returns the marshalled element, raises
   ValueError for offsets outside the blob, or hands the key to ``_item``; ``plain_value``
@@ -369,6 +370,39 @@ def fuzz_unviewed(native: Any, rng: random.Random, g: Guarded) -> None:
             raise AssertionError(f"unviewed took {bad!r}")
 
 
+def fuzz_steady_take(native: Any, rng: random.Random, g: Guarded) -> None:
+    """Garbage headers and odd tables: an answer or TypeError/ValueError, and never a write
+    outside the buffer (the guard zones) or a table left in an impossible state."""
+    states = [object() for _ in range(4)]  # FREE, IN_FLIGHT, READY, LENT
+    n = rng.randrange(1, 9)
+    sem = 0
+    headers = tuple(rng.choice([SEMS + 64 * 8 * s, SEMS + 64 * 8 * s + rng.choice([1, 4]), -8, SIZE - 8, SIZE])
+                    if rng.random() < 0.05 else SEMS + 64 * 8 * s for s in range(n))
+    for off in headers:
+        if SEMS <= off <= SIZE - 128 and off % 8 == 0:
+            g.view[off : off + 128] = rng.randbytes(128) if rng.random() < 0.5 else bytes(128)
+            if rng.random() < 0.5:
+                struct.pack_into("q", g.view, off, 1)  # DONE
+    state = [rng.choice(states) for _ in range(n)]
+    tasks = {s: (rng.choice([0, 1, -1, 5, "w"]), rng.choice([0, 1]), rng.randrange(8), None, 0)[: rng.choice([5, 5, 5, 2])]
+             for s in range(n) if rng.random() < 0.6}
+    ready = {rng.randrange(8): rng.choice([*range(n), -1, n, 300]) for _ in range(rng.randrange(3))}
+    bases = {rng.choice([*range(n), n, -1, "x"]): object() for _ in range(rng.randrange(3))}
+    consts = (*states, 1, 0, 3, 2, 0, 4, 15, 11, 12, 16)
+    for _ in range(rng.randrange(3)):
+        native.sem_post(g.view, sem)
+    try:
+        code, banked, gone = native.steady_take(g.view, sem, headers, rng.randrange(3), tasks, state, ready,
+                                                [rng.randrange(3) for _ in range(2)], [], bases, rng.choice([0, 1]),
+                                                rng.randrange(8), consts)
+        assert -2 <= code < n and banked >= 0 and gone >= 0, (code, banked, gone)
+        assert all(any(st is x for x in states) for st in state)
+    except (TypeError, ValueError):
+        pass
+    while native.sem_wait(g.view, sem, 0.0):
+        pass
+
+
 def plain_model(v: Any, depth: int = 0, seen: list[Any] | None = None) -> bool:
     """What ``plain_value`` promises, in Python (same depth and container limits, 64 each)."""
     seen = [] if seen is None else seen
@@ -454,7 +488,7 @@ def main() -> None:
     g = Guarded()
     for k in range(0, SEMS, native.SEM_STRIDE):
         native.sem_init(g.view, k)
-    kinds = [fuzz_decode, fuzz_encode, fuzz_sync, fuzz_pack, fuzz_items, fuzz_read_slot, fuzz_same_attr, fuzz_unviewed]
+    kinds = [fuzz_decode, fuzz_encode, fuzz_sync, fuzz_pack, fuzz_items, fuzz_read_slot, fuzz_same_attr, fuzz_unviewed, fuzz_steady_take]
     for i in range(count):
         rng.choice(kinds)(native, rng, g)
     with open("/proc/self/maps") as maps:
