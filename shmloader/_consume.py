@@ -104,7 +104,7 @@ class RingIterator(_BaseDataLoaderIter):
         wanted = self._num_workers * self._prefetch_factor  # memory_budget may lower it
         self._table = SlotTable(wanted, self._num_workers)
         self._dispatcher = Dispatcher(self._num_workers, self._iterable, self._in_order)
-        self._leases = Leases(wanted)
+        self._leases = Leases()
         self._arena = OverflowArena()
         self._overflow: dict[int, tuple[Any, int]] = {}  # slot -> (mapping, bytes) granted to its task
         self._piped: dict[int, bytes] = {}  # slot -> its (batch, dataset state), pickled over the pipe
@@ -359,7 +359,7 @@ class RingIterator(_BaseDataLoaderIter):
             slot_bytes = max(slot_bytes, first)
         geometry = plan_ring(self._num_workers, self._prefetch_factor, first, slot_bytes, self._memory_budget)
         self._table = SlotTable(geometry.num_slots, self._num_workers, self._table.epoch)
-        self._leases = Leases(geometry.num_slots)
+        self._leases = Leases()
         ring = Ring(geometry)
         self._ring = ring
         if self._device is not None:
@@ -682,7 +682,7 @@ class RingIterator(_BaseDataLoaderIter):
         if held:
             self._arena.retire(old.mm, held)
         self._table = SlotTable(g.num_slots, self._num_workers, self._table.epoch)
-        self._leases = Leases(g.num_slots)
+        self._leases = Leases()
         self._counters.ring_growths += 1
 
     # ------------------------------------------------------------ delivery

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import collections.abc
-import functools
 import io
 import pickle
 from typing import Any, Callable
@@ -41,7 +40,7 @@ class Leases:
     atomic under the GIL, so a slot comes back once and a lent-again slot never for a stale
     reason."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self) -> None:
         self.bases: dict[int, np.ndarray[Any, Any]] = {}  # also read by _native.steady_take
         self.released: collections.deque[int] = collections.deque()
 

@@ -286,25 +286,31 @@ def test_a_dataset_that_exits_is_said_as_such_without_the_memory_hint() -> None:
     assert "ran out of memory" not in str(e.value)
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-@pytest.mark.parametrize("iterable", [False, True])
-def test_no_wait_ends_by_its_timeout(monkeypatch: pytest.MonkeyPatch, persistent: bool, iterable: bool) -> None:
-    # A sync next() that sleeps on the ready semaphore wakes when a batch is published; its
-    # timeout (CHECK_S) is only a heartbeat for dead workers. A wait that ran out in a healthy
-    # epoch (its start, its end, a partial last batch, an exhausted shard, an epoch broken
-    # off) would mean the consumer slept for nothing to come. With the heartbeat at 20 s,
-    # count the waits that ran out: none.
+@pytest.fixture
+def timed_out(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The sync waits on the ready semaphore that run out, with the heartbeat at 20 s."""
     monkeypatch.setattr(_consume, "CHECK_S", 20.0)
-    timed_out = []
+    out: list[float] = []
     take_ready = _ring._Views.take_ready
 
     def counted(self: Any, timeout: float) -> bool:
         got = take_ready(self, timeout)
         if timeout > 0 and not got:
-            timed_out.append(timeout)
+            out.append(timeout)
         return got
 
     monkeypatch.setattr(_ring._Views, "take_ready", counted)
+    return out
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("iterable", [False, True])
+def test_no_wait_ends_by_its_timeout(timed_out: list[float], persistent: bool, iterable: bool) -> None:
+    # A sync next() that sleeps on the ready semaphore wakes when a batch is published; its
+    # timeout (CHECK_S) is only a heartbeat for dead workers. A wait that ran out in a healthy
+    # epoch (its start, its end, a partial last batch, an exhausted shard, an epoch broken
+    # off) would mean the consumer slept for nothing to come. With the heartbeat at 20 s,
+    # count the waits that ran out: none.
     dataset = Shards(203) if iterable else Range(203)
     kw: dict[str, Any] = dict(batch_size=4, num_workers=2, persistent_workers=persistent)
     want = [b.tolist() for b in torch.utils.data.DataLoader(dataset, **kw)]
@@ -328,22 +334,10 @@ def every_task_published(it: Any) -> None:
 
 
 @pytest.mark.parametrize("in_order", [False, True])
-def test_the_round_that_takes_the_last_shards_end_ends_the_epoch(monkeypatch: pytest.MonkeyPatch,
-                                                                   in_order: bool) -> None:
+def test_the_round_that_takes_the_last_shards_end_ends_the_epoch(timed_out: list[float], in_order: bool) -> None:
     # The shards run out; the round that takes the last live worker's end of shard takes every
     # task still dispatched with it (all published). Nothing is in flight then, and only a
     # dispatch finds that no worker is left: the round must do it, not sleep for nothing.
-    monkeypatch.setattr(_consume, "CHECK_S", 20.0)
-    timed_out = []
-    take_ready = _ring._Views.take_ready
-
-    def counted(self: Any, timeout: float) -> bool:
-        got = take_ready(self, timeout)
-        if timeout > 0 and not got:
-            timed_out.append(timeout)
-        return got
-
-    monkeypatch.setattr(_ring._Views, "take_ready", counted)
     kw: dict[str, Any] = dict(batch_size=4, num_workers=2)
     want = sorted(b.tolist() for b in torch.utils.data.DataLoader(Shards(90), **kw))
     it = iter(shmloader.DataLoader(Shards(90), in_order=in_order, **kw))

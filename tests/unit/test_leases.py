@@ -16,7 +16,7 @@ def base() -> np.ndarray:
 
 
 def test_a_dropped_batch_returns_its_slot_once() -> None:
-    leases = Leases(2)
+    leases = Leases()
     b = base()
     leases.lend(0, b)
     assert leases.holding() == 1 and not leases.returned
@@ -27,7 +27,7 @@ def test_a_dropped_batch_returns_its_slot_once() -> None:
 
 
 def test_release_then_drop_returns_once() -> None:
-    leases = Leases(1)
+    leases = Leases()
     b = base()
     leases.lend(0, b)
     assert leases.release(0) is True and leases.release(0) is False
@@ -37,7 +37,7 @@ def test_release_then_drop_returns_once() -> None:
 
 
 def test_drop_then_release_before_the_consumer_looks_returns_once() -> None:
-    leases = Leases(1)
+    leases = Leases()
     b = base()
     leases.lend(0, b)
     del b
@@ -46,7 +46,7 @@ def test_drop_then_release_before_the_consumer_looks_returns_once() -> None:
 
 
 def test_a_stale_return_never_takes_back_the_slot_lent_again() -> None:
-    leases = Leases(1)
+    leases = Leases()
     old = base()
     leases.lend(0, old)
     leases.release(0)
@@ -61,7 +61,7 @@ def test_a_stale_return_never_takes_back_the_slot_lent_again() -> None:
 
 def test_batches_dropped_by_other_threads_come_back_exactly_once() -> None:
     n = 64
-    leases = Leases(n)
+    leases = Leases()
     bases = [base() for _ in range(n)]
     for slot, b in enumerate(bases):
         leases.lend(slot, b)
@@ -96,7 +96,7 @@ def test_a_view_of_a_view_keeps_the_slot_lent() -> None:
     # What a batch's last view is: a tensor over the base, a slice of it, a numpy view of that.
     import torch
 
-    leases = Leases(1)
+    leases = Leases()
     b = base()
     tensor = torch.from_numpy(b)
     leases.lend(0, b)
