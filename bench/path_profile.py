@@ -29,20 +29,21 @@ from torch.utils.data import Dataset
 
 import shmloader
 from placement import place
-from shmloader import _collate, _consume, _dispatch, _lease, _ring, _stats, _worker
+from shmloader import _collate, _consume, _dispatch, _lease, _native, _ring, _stats, _worker
 
 WORK = {"tiny": ((16,), torch.float32, 32), "tokens": ((512,), torch.int64, 64), "image": ((3, 224, 224), torch.uint8, 128)}
 
 # (owner, attribute, label): the main process's steps, then the workers'.
 MAIN_STEPS = [
     (_consume.RingIterator, "_next_data", "next(): the whole call"),
-    (_consume.RingIterator, "_collect", "collect published slots (ready semaphore, acquire loads)"),
+    (_native, "steady_take", "steady state: returned slots, collect, take (one native call)"),
+    (_consume.RingIterator, "_collect", "collect published slots (general path)"),
     (_consume.RingIterator, "_next_task", "next index (torch's sampler) and worker"),
     (_ring.Ring, "post_task", "index + task write + post (one native call; wakes the worker)"),
-    (_consume.RingIterator, "_take_next", "take the next ready slot (status check)"),
+    (_consume.RingIterator, "_take_next", "take the next ready slot (general path)"),
     (_consume, "read_batch", "header check, table decode, views"),
     (_lease.Leases, "lend", "lease (the batch's base into the lease table)"),
-    (_lease.Leases, "take_returned", "returned leases (bases nothing else references)"),
+    (_lease.Leases, "take_returned", "returned leases (general path)"),
     (_consume.RingIterator, "_block", "wait: sched_yield and look again, then sleep on the ready semaphore"),
     (_consume.RingIterator, "_yield_for_ready", "  of which sched_yield and look again"),
     (_consume.RingIterator, "_check", "dead workers and timeout (waitpid)"),
