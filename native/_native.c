@@ -1,6 +1,7 @@
 /*
  * shmloader._native: the slot header codec (synchronisation: native/_sync.c; the read
- * path of shmloader.share(): native/_share.c).
+ * path of shmloader.share(): native/_share.c; the consumer's steady state:
+ * native/_steady.c).
  *
  * A slot's leaf table lists every array the worker wrote into the slot's data
  * region: dtype code, kind (torch tensor or numpy array), byte offset, byte

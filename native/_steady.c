@@ -1,5 +1,5 @@
 /*
- * shmloader._native, part 4: the consumer's steady state in one call.
+ * shmloader._native: the consumer's steady state in one call.
  *
  * steady_take does, for a sync next() in order, what RingIterator._steady's Python did
  * between its waits: take back the slots whose batches are gone, collect the published
@@ -67,6 +67,13 @@ static PyObject *py_steady_take(PyObject *self, PyObject *const *args, Py_ssize_
               f_region = const_int(consts, C_REGION), f_r_epoch = const_int(consts, C_R_EPOCH),
               f_r_seq = const_int(consts, C_R_SEQ), n_fields = const_int(consts, C_FIELDS);
     if (PyErr_Occurred()) return NULL;
+    long long fields[] = {f_state, f_status, f_region, f_r_epoch, f_r_seq};
+    for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++) {
+        if (fields[i] < 0 || fields[i] >= n_fields || n_fields > 4096) {
+            PyErr_SetString(PyExc_ValueError, "steady_take: a header field index outside the header");
+            return NULL;
+        }
+    }
     Py_ssize_t n_slots = PyList_GET_SIZE(state);
     if (PyTuple_GET_SIZE(headers) != n_slots) {
         PyErr_SetString(PyExc_ValueError, "steady_take: one header offset per slot");

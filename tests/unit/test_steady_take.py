@@ -179,6 +179,8 @@ def test_steady_take_refuses_what_is_not_a_slot_table() -> None:
         call(headers=(*HEADERS[:-1], HEADERS[-1] + 4))
     with pytest.raises(ValueError, match="semaphore lies outside"):
         call(sem=len(mm))
+    with pytest.raises(ValueError, match="field index outside the header"):
+        call(consts=(*_STEADY[:-2], N_FIELDS, N_FIELDS))  # R_SEQ past the header
     with pytest.raises(TypeError):
         _native.steady_take(mm)
     assert table.state == [FREE] * SLOTS and table.free == list(range(SLOTS - 1, -1, -1))
