@@ -9,9 +9,14 @@
  * the ordinary (a request for overflow memory, a batch sent over the pipe, a stale epoch, a
  * torn header, a result that is not a batch) it leaves as it is and answers GENERAL: the
  * general path (RingIterator._round) then does the rest, from a consistent table.
+ *
+ * dispatch_next does the other half of an in-order next(): the next task, from the worker
+ * round robin picks and the sampler's next index to the slot table's dispatch and the post
+ * that wakes the worker (native/_sync.c's post_task).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
 #include <semaphore.h>
 #include <stdint.h>
 
@@ -194,7 +199,156 @@ release:
     return out;
 }
 
+extern PyObject *shmloader_post_task(PyObject *self, PyObject *const *args, Py_ssize_t nargs); /* native/_sync.c */
+
+/* Indices into dispatch_next's `post` tuple (Ring.posting) and `consts` tuple (_consume._DISPATCH). */
+enum { P_BUFFER, P_HEADERS, P_DATA, P_CAP, P_QUEUES, P_QUEUE_LEN, P_TAILS, P_SEMS, N_POST };
+enum { D_FREE, D_IN_FLIGHT, D_TASK, N_DISPATCH };
+
+static PyObject *dispatched(long code, Py_ssize_t rr, PyObject *slot, Py_ssize_t worker, PyObject *index) {
+    return Py_BuildValue("(lnOnO)", code, rr, slot, worker, index);
+}
+
+PyDoc_STRVAR(dispatch_next_doc,
+"dispatch_next($module, sampler, active, rr, load, free, state, tasks, epoch, seq, post, consts, /)\n--\n\n"
+"The next task of an in-order epoch in one call, as RingIterator._next_task, SlotTable.dispatch\n"
+"and Ring.post_task make it in turn. The worker: the first of `active` from position `rr` on,\n"
+"round robin (Dispatcher.pick, in order). The index: next(`sampler`). The slot: popped from\n"
+"`free`; it goes FREE -> IN_FLIGHT, tasks[slot] = Task(worker, epoch, seq, index, 0) and\n"
+"load[worker] += 1. Then the task is written and posted as post_task writes it, with `post` =\n"
+"Ring.posting (buffer, header offsets, data offsets, data bytes, queue offsets, queue length,\n"
+"tails, task semaphores); tails[worker] += 1 once posted. `consts` = (FREE, IN_FLIGHT, Task).\n"
+"Returns (code, rr, slot, worker, index): code 1 posted; 0 dispatched but not posted (the index\n"
+"is not a list of int64 ints, or does not fit the slot: the caller hands it on its own way);\n"
+"-1 no worker is active; -2 the sampler is exhausted; rr the round-robin position after the\n"
+"pick. The free slot is checked before anything is taken; an exception from the sampler\n"
+"propagates with nothing dispatched.");
+
+static PyObject *py_dispatch_next(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 11) {
+        PyErr_Format(PyExc_TypeError, "dispatch_next() takes exactly 11 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *sampler = args[0], *active = args[1], *load = args[3], *free_ = args[4], *state = args[5],
+             *tasks = args[6], *epoch = args[7], *seq = args[8], *post = args[9], *consts = args[10];
+    if (!PyList_CheckExact(active) || !PyList_CheckExact(load) || !PyList_CheckExact(free_) ||
+        !PyList_CheckExact(state) || !PyDict_CheckExact(tasks) || !PyTuple_Check(post) ||
+        PyTuple_GET_SIZE(post) != N_POST || !PyTuple_Check(consts) || PyTuple_GET_SIZE(consts) != N_DISPATCH) {
+        PyErr_SetString(PyExc_TypeError, "dispatch_next: wrong container types");
+        return NULL;
+    }
+    PyObject *headers = PyTuple_GET_ITEM(post, P_HEADERS), *datas = PyTuple_GET_ITEM(post, P_DATA),
+             *queues = PyTuple_GET_ITEM(post, P_QUEUES), *tails = PyTuple_GET_ITEM(post, P_TAILS),
+             *sems = PyTuple_GET_ITEM(post, P_SEMS), *task_type = PyTuple_GET_ITEM(consts, D_TASK);
+    Py_ssize_t n_workers = PyList_GET_SIZE(load), n_slots = PyList_GET_SIZE(state);
+    if (!PyTuple_Check(headers) || !PyTuple_Check(datas) || !PyTuple_Check(queues) || !PyList_CheckExact(tails) ||
+        !PyList_Check(sems) || PyTuple_GET_SIZE(headers) != n_slots || PyTuple_GET_SIZE(datas) != n_slots ||
+        PyTuple_GET_SIZE(queues) != n_workers || PyList_GET_SIZE(tails) != n_workers ||
+        PyList_GET_SIZE(sems) != n_workers || PyList_GET_SIZE(active) != n_workers || n_workers == 0 ||
+        !PyType_Check(task_type) || !PyType_IsSubtype((PyTypeObject *)task_type, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "dispatch_next: the ring's and the table's sizes disagree");
+        return NULL;
+    }
+    Py_ssize_t rr = PyLong_AsSsize_t(args[2]), queue_len = PyLong_AsSsize_t(PyTuple_GET_ITEM(post, P_QUEUE_LEN));
+    if (PyErr_Occurred()) return NULL;
+    if (rr < 0 || rr >= n_workers || queue_len <= 0) {
+        PyErr_SetString(PyExc_ValueError, "dispatch_next: round-robin position or queue length out of range");
+        return NULL;
+    }
+    /* SlotTable.dispatch's slot and its check, before anything is taken. */
+    Py_ssize_t n_free = PyList_GET_SIZE(free_);
+    if (n_free == 0) {
+        PyErr_SetString(PyExc_ValueError, "dispatch_next: no free slot");
+        return NULL;
+    }
+    PyObject *slot_obj = PyList_GET_ITEM(free_, n_free - 1);
+    Py_ssize_t slot = PyLong_AsSsize_t(slot_obj);
+    if (slot == -1 && PyErr_Occurred()) return NULL;
+    if (slot < 0 || slot >= n_slots) {
+        PyErr_Format(PyExc_ValueError, "dispatch_next: free slot %zd is not one of %zd", slot, n_slots);
+        return NULL;
+    }
+    if (PyList_GET_ITEM(state, slot) != PyTuple_GET_ITEM(consts, D_FREE)) {
+        PyObject *now = PyList_GET_ITEM(state, slot), *name = PyObject_GetAttrString(now, "name");
+        if (name == NULL) {  /* not a SlotState: said as it is */
+            PyErr_Clear();
+            name = PyObject_Repr(now);
+        }
+        if (name != NULL) PyErr_Format(PyExc_AssertionError, "slot %zd is %S, expected ['FREE']", slot, name);
+        Py_XDECREF(name);
+        return NULL;
+    }
+    /* Dispatcher.pick, in order: the first active worker from rr on; rr moves past each one looked at. */
+    Py_ssize_t worker = -1;
+    for (Py_ssize_t i = 0; i < n_workers; i++) {
+        Py_ssize_t w = rr;
+        rr = (rr + 1) % n_workers;
+        int on = PyObject_IsTrue(PyList_GET_ITEM(active, w));
+        if (on < 0) return NULL;
+        if (on) {
+            worker = w;
+            break;
+        }
+    }
+    if (worker < 0) return dispatched(-1, rr, Py_None, -1, Py_None);
+    PyObject *index = PyIter_Next(sampler);
+    if (index == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        return dispatched(-2, rr, Py_None, worker, Py_None);
+    }
+    PyObject *out = NULL, *worker_obj = NULL, *items = NULL, *task = NULL, *busy = NULL, *entry = NULL, *posted = NULL;
+    Py_INCREF(slot_obj);
+    long long load_w = PyLong_AsLongLong(PyList_GET_ITEM(load, worker)),
+              tail = PyLong_AsLongLong(PyList_GET_ITEM(tails, worker));
+    Py_ssize_t queue = PyLong_AsSsize_t(PyTuple_GET_ITEM(queues, worker));
+    if (PyErr_Occurred()) goto done;
+    if (tail < 0 || tail == LLONG_MAX || queue < 0 || queue > PY_SSIZE_T_MAX / 2 || queue_len > PY_SSIZE_T_MAX / 16 ||
+        load_w < 0 || load_w == LLONG_MAX) {
+        PyErr_SetString(PyExc_ValueError, "dispatch_next: a queue tail or offset, or a load, out of range");
+        goto done;
+    }
+    worker_obj = PyLong_FromSsize_t(worker);
+    items = worker_obj ? Py_BuildValue("((OOOOi))", worker_obj, epoch, seq, index, 0) : NULL;
+    task = items ? PyTuple_Type.tp_new((PyTypeObject *)task_type, items, NULL) : NULL;
+    busy = task ? PyLong_FromLongLong(load_w + 1) : NULL;
+    entry = busy ? PyLong_FromSsize_t(queue + (Py_ssize_t)(tail % queue_len) * 8) : NULL;
+    if (entry == NULL) goto done;
+    /* The table's transitions (SlotTable.dispatch), none of which can fail from here on but the
+       dict insert, which goes first. */
+    if (PyDict_SetItem(tasks, slot_obj, task) < 0) goto done;
+    if (PyList_SetSlice(free_, n_free - 1, n_free, NULL) < 0) goto done;
+    Py_INCREF(PyTuple_GET_ITEM(consts, D_IN_FLIGHT));
+    PyList_SetItem(state, slot, PyTuple_GET_ITEM(consts, D_IN_FLIGHT));
+    PyList_SetItem(load, worker, busy);
+    busy = NULL;
+    /* Ring.post_task */
+    PyObject *post_args[11] = {PyTuple_GET_ITEM(post, P_BUFFER), PyTuple_GET_ITEM(headers, slot), epoch, seq, index,
+                               Py_False, PyTuple_GET_ITEM(datas, slot), PyTuple_GET_ITEM(post, P_CAP), entry, slot_obj,
+                               PyList_GET_ITEM(sems, worker)};
+    posted = shmloader_post_task(NULL, post_args, 11);
+    if (posted == NULL) goto done;
+    long code = PyLong_AsLong(posted);
+    if (code == -1 && PyErr_Occurred()) goto done;
+    if (code == 1) {
+        PyObject *next_tail = PyLong_FromLongLong(tail + 1);
+        if (next_tail == NULL) goto done;
+        PyList_SetItem(tails, worker, next_tail);
+    }
+    out = dispatched(code == 1, rr, slot_obj, worker, index);
+done:
+    Py_XDECREF(posted);
+    Py_XDECREF(entry);
+    Py_XDECREF(busy);
+    Py_XDECREF(task);
+    Py_XDECREF(items);
+    Py_XDECREF(worker_obj);
+    Py_DECREF(slot_obj);
+    Py_DECREF(index);
+    return out;
+}
+
 PyMethodDef shmloader_steady_methods[] = {
     {"steady_take", (PyCFunction)(void (*)(void))py_steady_take, METH_FASTCALL, steady_take_doc},
+    {"dispatch_next", (PyCFunction)(void (*)(void))py_dispatch_next, METH_FASTCALL, dispatch_next_doc},
     {NULL, NULL, 0, NULL},
 };

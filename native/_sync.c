@@ -236,7 +236,8 @@ static int store_range(PyObject *r, char *dst, Py_ssize_t n, int fit) {
     return 1;
 }
 
-static PyObject *py_post_task(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+/* Not static: native/_steady.c's dispatch_next posts through it. */
+PyObject *shmloader_post_task(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_ssize_t header, data, cap, entry, sem_off;
     long long epoch, seq, slot;
     Py_buffer view;
@@ -519,7 +520,7 @@ release:
 PyMethodDef shmloader_sync_methods[] = {
     {"take_task", (PyCFunction)(void (*)(void))py_take_task, METH_FASTCALL, take_task_doc},
     {"collect", (PyCFunction)(void (*)(void))py_collect, METH_FASTCALL, collect_doc},
-    {"post_task", (PyCFunction)(void (*)(void))py_post_task, METH_FASTCALL, post_task_doc},
+    {"post_task", (PyCFunction)(void (*)(void))shmloader_post_task, METH_FASTCALL, post_task_doc},
     {"publish", py_publish, METH_VARARGS, publish_doc},
     {"store_fenced", (PyCFunction)(void (*)(void))py_store_fenced, METH_FASTCALL, store_fenced_doc},
     {"sem_init", (PyCFunction)(void (*)(void))py_sem_init, METH_FASTCALL, sem_init_doc},

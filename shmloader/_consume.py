@@ -52,7 +52,7 @@ from ._lease import Leases, Where, copy_leaf, leaves_of, read_batch, read_datase
 from ._overflow import OverflowArena
 from ._pool import WorkerPool
 from ._ring import NOT_INTS, POSTED, Ring
-from ._slots import SlotState, SlotTable
+from ._slots import SlotState, SlotTable, Task
 from ._stats import Counters, RingOccupancy
 from ._worker import WorkerConfig
 
@@ -67,6 +67,7 @@ _STEADY = (SlotState.FREE, SlotState.IN_FLIGHT, SlotState.READY, SlotState.LENT,
            int(Status.NEED_MEMORY), int(Region.PIPE), Field.STATE, Field.STATUS, Field.REGION, Field.R_EPOCH,
            Field.R_SEQ, N_FIELDS)
 _GENERAL = -2
+_DISPATCH = (SlotState.FREE, SlotState.IN_FLIGHT, Task)  # what _native.dispatch_next needs of the slot table
 _END = object()
 _GROW = object()  # the ring must grow before anything else is dispatched
 _COPY = ("copy",)  # wait for the oldest device copy to complete
@@ -470,11 +471,28 @@ class RingIterator(_BaseDataLoaderIter):
         # The ring's extra slot is for the batch in the user's hands, never one more task.
         cap = self._num_workers * self._prefetch_factor
         while table.free and len(table.tasks) < cap and not self._sampler_done and self._grow_to is None:
-            task = self._next_task()
-            if task is None:
+            if not self._in_order:
+                task = self._next_task()
+                if task is None:
+                    return
+                wid, seq, index = task
+                self._submit(table.dispatch(wid, seq, index), wid, seq, index)
+                continue
+            # In order: _next_task, table.dispatch and the post of _submit in one native call
+            ring = self._ring
+            assert ring is not None
+            dispatcher = self._dispatcher
+            seq = self._send_seq
+            code, dispatcher.next_rr, slot, wid, index = _native.dispatch_next(
+                self._sampler_iter, dispatcher.active, dispatcher.next_rr, table.load, table.free, table.state,
+                table.tasks, table.epoch, seq, ring.posting, _DISPATCH)
+            if code < 0:  # no worker active, or the sampler is exhausted
+                self._sampler_done = True
                 return
-            wid, seq, index = task
-            self._submit(table.dispatch(wid, seq, index), wid, seq, index)
+            self._send_seq = seq + 1
+            table.outstanding += 1
+            if code != POSTED:  # the index is not a list of ints, or does not fit the slot
+                self._submit(slot, wid, seq, index)
 
     def _next_task(self) -> tuple[int, int, Any] | None:
         """(worker, seq, index) of the epoch's next batch, or None when there is none."""

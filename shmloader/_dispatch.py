@@ -51,18 +51,18 @@ class Dispatcher:
 
     def reset(self) -> None:
         self.active = [True] * self.num_workers
-        self._next_rr = 0
+        self.next_rr = 0  # the worker round robin looks at first (_native.dispatch_next moves it too)
 
     def skip_to(self, worker: int) -> None:
         """Make round-robin continue from ``worker`` (resuming a checkpointed epoch)."""
-        self._next_rr = worker % self.num_workers
+        self.next_rr = worker % self.num_workers
 
     def pick(self, load: list[int], capacity: int) -> int | None:
         """The worker for the next task (``load``: tasks in flight per worker; ``capacity``: tasks
         in flight at most), or None if no worker can take one."""
         for _ in range(self.num_workers):
-            wid = self._next_rr
-            self._next_rr = (wid + 1) % self.num_workers
+            wid = self.next_rr
+            self.next_rr = (wid + 1) % self.num_workers
             if self.active[wid] and (self.in_order or load[wid] < capacity // sum(self.active)):
                 return wid
         return None

@@ -90,6 +90,9 @@ class Ring(_Views):
         super().__init__(geometry, mm)
         self.mm: _shm.Mapping = mm  # the main process's mapping: pinnable, unpinned before unmapping
         self._tails = [0] * geometry.num_workers
+        # What _native.dispatch_next posts a task with (the ring's part of post_task's arguments).
+        self.posting = (mm, self.header_offsets, self.data_offsets, self.data_bytes, self.queue_offsets,
+                        self.queue_len, self._tails, self.task_sems)
 
     def unlink(self) -> None:
         """Remove the segment's name; mappings and the fd stay valid. Idempotent."""

@@ -403,6 +403,47 @@ def fuzz_steady_take(native: Any, rng: random.Random, g: Guarded) -> None:
         pass
 
 
+class _FuzzTask(tuple):  # type: ignore[type-arg]
+    pass
+
+
+def fuzz_dispatch_next(native: Any, rng: random.Random, g: Guarded) -> None:
+    """Odd tables, worker sets and ring offsets (headers, data, queues, semaphores outside the
+    buffer or misaligned, negative or huge tails): an answer or TypeError/ValueError/
+    AssertionError, and never a write outside the buffer."""
+    free_, in_flight = object(), object()
+    task_type = rng.choice([_FuzzTask, _FuzzTask, _FuzzTask, tuple, list, 3])
+    n, w = rng.randrange(1, 6), rng.randrange(1, 4)
+
+    def off(good: int, size: int) -> Any:
+        return rng.choice([good, good + 4, -8, SIZE - size + 8, SIZE, 2**62, "x"]) if rng.random() < 0.03 else good
+
+    headers = tuple(off(SEMS + 64 * 8 * s, 32) for s in range(n))
+    datas = tuple(off(SEMS + 8192 + 1024 * s, 1024) for s in range(n))
+    queues = tuple(off(SEMS + 16384 + 128 * q, 8) for q in range(w))
+    tails = [rng.choice([0, 3, 2**40, -1, 2**63 - 1]) if rng.random() < 0.1 else rng.randrange(8) for _ in range(w)]
+    sems = [off(native.SEM_STRIDE * rng.randrange(SEMS // native.SEM_STRIDE), 32) for _ in range(w)]
+    post = (g.view, headers, datas, rng.choice([1024, 1024, 0, -8, 2**40]), queues, rng.choice([9] * 8 + [1, 0, -1]),
+            tails, sems)[: rng.choice([8] * 15 + [7])]
+    state = [rng.choice([free_, free_, free_, in_flight, None]) for _ in range(n)]
+    free = [rng.choice([*range(n), *range(n), -1, n, "s"]) for _ in range(rng.randrange(0, 3))]
+    active = [rng.choice([True, True, False, 0, 1, [], "on"]) for _ in range(w)]
+    load = [rng.choice([0, 1, 2, 0, 1, 2, -1, 2**63 - 1, 2**70]) for _ in range(w)]
+    sampler = iter([rng.choice([[1, 2, 3], range(0, 300, 7), [1.5], list(range(200)), (1,), "abc"])
+                    for _ in range(rng.randrange(0, 3))])
+    try:
+        code, rr, slot, worker, index = native.dispatch_next(
+            sampler, active, rng.choice([0, w - 1] * 4 + [w, -1]), load, free, state, {}, rng.randrange(3), rng.randrange(9),
+            post, (free_, in_flight, task_type))
+        assert -2 <= code <= 1 and 0 <= rr < w, (code, rr)
+    except (TypeError, ValueError, AssertionError, OverflowError):
+        pass
+    g.check("dispatch_next")
+    for k in range(0, SEMS, native.SEM_STRIDE):
+        while native.sem_wait(g.view, k, 0.0):
+            pass
+
+
 def plain_model(v: Any, depth: int = 0, seen: list[Any] | None = None) -> bool:
     """What ``plain_value`` promises, in Python (same depth and container limits, 64 each)."""
     seen = [] if seen is None else seen
@@ -488,7 +529,8 @@ def main() -> None:
     g = Guarded()
     for k in range(0, SEMS, native.SEM_STRIDE):
         native.sem_init(g.view, k)
-    kinds = [fuzz_decode, fuzz_encode, fuzz_sync, fuzz_pack, fuzz_items, fuzz_read_slot, fuzz_same_attr, fuzz_unviewed, fuzz_steady_take]
+    kinds = [fuzz_decode, fuzz_encode, fuzz_sync, fuzz_pack, fuzz_items, fuzz_read_slot, fuzz_same_attr, fuzz_unviewed, fuzz_steady_take,
+             fuzz_dispatch_next]
     for i in range(count):
         rng.choice(kinds)(native, rng, g)
     with open("/proc/self/maps") as maps:
