@@ -797,7 +797,8 @@ class RingIterator(_BaseDataLoaderIter):
             # Never lend the last slot: a caller that keeps every batch (list(loader), a
             # replay buffer) would leave the workers nowhere to write. Copy instead.
             leases = self._leases
-            copy = leases.holding() + 1 >= self._table.num_slots
+            last = self._table.num_slots - 1  # lent slots before this one that leave none to the workers
+            copy = len(leases.bases) >= last and leases.holding() >= last
             try:
                 batch, base, nbytes = read_batch(self._ring, slot, copy_leaf if copy else None)
             except BaseException:
