@@ -3,9 +3,10 @@
 ``SlotTable`` is the one place slot state changes. It knows tasks (worker, epoch,
 sequence number, index) and the five states below; it knows nothing of memory,
 processes or waiting, so a property test can drive it through any sequence of events.
-(One native call, ``_native.steady_take``, makes its per-batch transitions give_back, done
-and take on its containers, for a sync ``next()``; ``tests/unit/test_steady_take.py`` holds
-it to these methods.)
+(Two native calls make its per-batch transitions on its containers for an in-order
+``next()``: ``_native.steady_take`` give_back, done and take, ``_native.dispatch_next``
+dispatch (with ``outstanding`` left to the caller); ``tests/unit/test_steady_take.py`` and
+``tests/unit/test_dispatch_next.py`` hold them to these methods.)
 
 Invariants (``check()`` asserts them; ``tests/unit/test_slots.py`` runs it after
 every step of random dispatch / done / overflow / grant / kill / epoch sequences):
