@@ -43,6 +43,10 @@ def outcomes(loader: Any, epochs: int = 1, batch: Callable[[Any], Any] = lambda 
                 break
             except Exception as exc:
                 epoch.append(("error", error(exc)))
+                # torch's ExceptionWrapper.reraise() leaves a cycle through its frame up to the
+                # iterator; broken here, torch's iterator stops when it is dropped, not in the
+                # next gc pass (where its persistent spawn workers take 10 s to be joined)
+                exc.__traceback__ = None
             else:
                 epoch.append(("batch", batch(got)))
         out.append(epoch)
