@@ -231,7 +231,7 @@ static PyObject *py_dispatch_next(PyObject *self, PyObject *const *args, Py_ssiz
     }
     PyObject *sampler = args[0], *active = args[1], *load = args[3], *free_ = args[4], *state = args[5],
              *tasks = args[6], *epoch = args[7], *seq = args[8], *post = args[9], *consts = args[10];
-    if (!PyList_CheckExact(active) || !PyList_CheckExact(load) || !PyList_CheckExact(free_) ||
+    if (!PyIter_Check(sampler) || !PyList_CheckExact(active) || !PyList_CheckExact(load) || !PyList_CheckExact(free_) ||
         !PyList_CheckExact(state) || !PyDict_CheckExact(tasks) || !PyTuple_Check(post) ||
         PyTuple_GET_SIZE(post) != N_POST || !PyTuple_Check(consts) || PyTuple_GET_SIZE(consts) != N_DISPATCH) {
         PyErr_SetString(PyExc_TypeError, "dispatch_next: wrong container types");

@@ -429,8 +429,10 @@ def fuzz_dispatch_next(native: Any, rng: random.Random, g: Guarded) -> None:
     free = [rng.choice([*range(n), *range(n), -1, n, "s"]) for _ in range(rng.randrange(0, 3))]
     active = [rng.choice([True, True, False, 0, 1, [], "on"]) for _ in range(w)]
     load = [rng.choice([0, 1, 2, 0, 1, 2, -1, 2**63 - 1, 2**70]) for _ in range(w)]
-    sampler = iter([rng.choice([[1, 2, 3], range(0, 300, 7), [1.5], list(range(200)), (1,), "abc"])
-                    for _ in range(rng.randrange(0, 3))])
+    sampler: Any = iter([rng.choice([[1, 2, 3], range(0, 300, 7), [1.5], list(range(200)), (1,), "abc"])
+                         for _ in range(rng.randrange(0, 3))])
+    if rng.random() < 0.02:
+        sampler = rng.choice([[[1, 2]], None, 3])  # not an iterator
     try:
         code, rr, slot, worker, index = native.dispatch_next(
             sampler, active, rng.choice([0, w - 1] * 4 + [w, -1]), load, free, state, {}, rng.randrange(3), rng.randrange(9),

@@ -153,6 +153,9 @@ def test_dispatch_next_takes_nothing_when_it_cannot_dispatch() -> None:
         with pytest.raises(TypeError, match="wrong container types"):
             _native.dispatch_next(iter([]), (True, True), 0, table.load, table.free, table.state, table.tasks, 0, 0,
                                   ring.posting, _DISPATCH)
+        with pytest.raises(TypeError, match="wrong container types"):  # an iterable, not an iterator
+            _native.dispatch_next([[1, 2]], [True, True], 0, table.load, table.free, table.state, table.tasks, 0, 0,
+                                  ring.posting, _DISPATCH)
         with pytest.raises(TypeError, match="sizes disagree"):
             _native.dispatch_next(iter([]), [True], 0, table.load, table.free, table.state, table.tasks, 0, 0,
                                   ring.posting, _DISPATCH)
