@@ -89,7 +89,7 @@ class Ring(_Views):
             raise
         super().__init__(geometry, mm)
         self.mm: _shm.Mapping = mm  # the main process's mapping: pinnable, unpinned before unmapping
-        self._tails = [0] * geometry.num_workers
+        self._tails = [0] * geometry.num_workers  # changed in place only: self.posting shares the list
         # What _native.dispatch_next posts a task with (the ring's part of post_task's arguments).
         self.posting = (mm, self.header_offsets, self.data_offsets, self.data_bytes, self.queue_offsets,
                         self.queue_len, self._tails, self.task_sems)
