@@ -3,6 +3,7 @@ installed), side by side in one run, on transport-bound and real workloads.
 
     shmloader bench --quick                       # what `make bench` runs (< 3 min on 2 cores)
     shmloader bench --workloads tiny,jpeg --loaders torch,shmloader --json out.json --plot out.png
+    shmloader bench --rounds 3 --report           # on a noisy machine: loaders alternated, ratios paired
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import os
 import pathlib
 import platform
+import statistics
 import sys
 import time
 from typing import Any
@@ -33,6 +35,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefetch-factor", type=int, default=2)
     p.add_argument("--batches", type=int, default=None, help="measured batches per repeat (default: per workload)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every loader this many times, alternated (each round starts with another loader); "
+                        "ratios to torch are then the median of each round's own ratio")
     p.add_argument("--quick", action="store_true", help="small settings: what `make bench` runs")
     p.add_argument("--memory-budget", default=None, help="pass memory_budget= to shmloader and check its memory")
     p.add_argument("--step-ms", type=float, default=0.0, help="simulated training step per batch (CPU spin)")
@@ -64,7 +69,8 @@ def run(args: argparse.Namespace) -> tuple[list[Result], list[str]]:
         else:
             notes.append(f"{ld.name}: skipped, not installed (pip install {ld.pip}, or pip install 'shmloader[bench]')")
     repeats = 2 if args.quick and args.repeats == 3 else args.repeats
-    bar = _progress(len(workloads) * len(loaders))
+    rounds = max(1, args.rounds)
+    bar = _progress(len(workloads) * len(loaders) * rounds)
     results: list[Result] = []
     for w in workloads:
         batches = args.batches or (w.quick_batches if args.quick else w.batches)
@@ -75,35 +81,57 @@ def run(args: argparse.Namespace) -> tuple[list[Result], list[str]]:
             extra["collate_fn"] = w.collate_fn
         if w.epochs:
             extra.update(shuffle=True, persistent_workers=True)
-        for ld in loaders:
-            if bar is not None:
-                bar.set_description(f"{w.name} / {ld.name}")
-            budget = args.memory_budget if ld.name == "shmloader" else None
+        runs: dict[str, dict[int, Result]] = {ld.name: {} for ld in loaders}  # loader -> round -> result
+        for r in range(rounds):
+            # A noisy machine drifts between runs minutes apart: alternating the loaders, and
+            # rotating which goes first, pairs each loader's run with torch's of the same round.
+            for ld in loaders[r % len(loaders):] + loaders[: r % len(loaders)]:
+                if bar is not None:
+                    bar.set_description(f"{w.name} / {ld.name}" + (f" / round {r + 1}" if rounds > 1 else ""))
+                budget = args.memory_budget if ld.name == "shmloader" else None
 
-            def make(ld: Any = ld, budget: Any = budget) -> Any:
-                seeded = {"generator": torch.Generator().manual_seed(0)} if w.epochs else {}
-                return ld.make(dataset, w.batch_size, args.num_workers, args.prefetch_factor, budget, **extra, **seeded)
+                def make(ld: Any = ld, budget: Any = budget) -> Any:
+                    seeded = {"generator": torch.Generator().manual_seed(0)} if w.epochs else {}
+                    return ld.make(dataset, w.batch_size, args.num_workers, args.prefetch_factor, budget, **extra, **seeded)
 
-            try:
-                r = measure(w.name, ld.name, make, batches, repeats, args.step_ms / 1e3, epochs=w.epochs)
-            except Exception as exc:  # a peer that cannot run this workload is reported, not fatal
-                notes.append(f"{w.name} / {ld.name}: failed: {type(exc).__name__}: {exc}")
+                try:
+                    res = measure(w.name, ld.name, make, batches, repeats, args.step_ms / 1e3, epochs=w.epochs)
+                except Exception as exc:  # a peer that cannot run this workload is reported, not fatal
+                    notes.append(f"{w.name} / {ld.name}: failed: {type(exc).__name__}: {exc}")
+                else:
+                    if budget is not None:
+                        from .._budget import parse_size
+
+                        res.within_budget = res.loader_mb * 2**20 <= parse_size(budget)
+                    runs[ld.name][r] = res
                 if bar is not None:
                     bar.update()
-                continue
-            if budget is not None:
-                from .._budget import parse_size
-
-                r.within_budget = r.loader_mb * 2**20 <= parse_size(budget)
-            results.append(r)
-            if bar is not None:
-                bar.update()
+        results.extend(_merge(own, runs.get("torch", {})) for own in runs.values() if own)
     if bar is not None:
         bar.close()
-    for r in results:
-        base = next((t for t in results if t.workload == r.workload and t.loader == "torch"), None)
-        r.ratio_to_torch = None if base is None else r.batches_per_s / base.batches_per_s
     return results, notes
+
+
+def _merge(by_round: dict[int, Result], torch_by_round: dict[int, Result]) -> Result:
+    """One loader's rounds on one workload as one result: the median of the rounds' rates, the
+    range over every repeat, the most memory any round took, and the ratio to torch as the
+    median of each round's ratio to torch's run of the same round (None without torch)."""
+    runs = list(by_round.values())
+    out = dataclasses.replace(runs[0])
+    out.rounds = len(runs)
+    out.batches_per_s = statistics.median(r.batches_per_s for r in runs)
+    out.batches_per_s_min = min(r.batches_per_s_min for r in runs)
+    out.batches_per_s_max = max(r.batches_per_s_max for r in runs)
+    out.gb_per_s = statistics.median(r.gb_per_s for r in runs)
+    out.first_batch_s = statistics.median(r.first_batch_s for r in runs)
+    out.cpu_ms_per_batch = statistics.median(r.cpu_ms_per_batch for r in runs)
+    out.peak_mb = max(r.peak_mb for r in runs)
+    out.loader_mb = max(r.loader_mb for r in runs)
+    if any(r.within_budget is not None for r in runs):
+        out.within_budget = all(r.within_budget for r in runs)
+    paired = [r.batches_per_s / torch_by_round[k].batches_per_s for k, r in by_round.items() if k in torch_by_round]
+    out.ratio_to_torch = statistics.median(paired) if paired else None
+    return out
 
 
 def _names(text: str, known: dict[str, Any], what: str) -> list[str]:
@@ -147,6 +175,7 @@ def metadata(args: argparse.Namespace) -> dict[str, Any]:
         "command": " ".join(["shmloader", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
         "num_workers": args.num_workers,
         "prefetch_factor": args.prefetch_factor,
+        "rounds": max(1, args.rounds),
     }
 
 
@@ -184,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
           + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()))
     print(f"# num_workers={args.num_workers} prefetch_factor={args.prefetch_factor}"
           + (f" memory_budget={args.memory_budget}" if args.memory_budget else "")
-          + (f" step={args.step_ms} ms" if args.step_ms else ""))
+          + (f" step={args.step_ms} ms" if args.step_ms else "")
+          + (f" rounds={args.rounds} (alternated; vs torch: the median of each round's ratio)" if args.rounds > 1 else ""))
     print(table(results))
     for note in notes:
         print(f"- {note}")

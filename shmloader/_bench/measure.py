@@ -139,6 +139,7 @@ class Result:
     overflow_share: float | None = None  # shmloader, epoch workloads: overflow batches after epoch 1 / batches
     ring_growths: int | None = None
     slot_bytes: int | None = None
+    rounds: int = 1  # runs merged into this result (shmloader bench --rounds)
 
 
 def measure(

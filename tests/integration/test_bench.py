@@ -75,3 +75,37 @@ def test_unknown_names_and_usage() -> None:
 def test_python_dash_m() -> None:
     done = subprocess.run([sys.executable, "-m", "shmloader", "bench", "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and "--memory-budget" in done.stdout
+
+
+def test_rounds_alternate_loaders_and_pair_ratios(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--rounds runs every loader once per round, each round starting with another loader, and
+    the ratio to torch is the median of each round's own ratio, not a ratio of medians."""
+    from shmloader import _bench
+    from shmloader._bench.measure import Result
+
+    order: list[tuple[str, str]] = []
+    # Per round, (torch, shmloader) rates: the machine speeds up threefold between rounds.
+    rates = {"torch": [100.0, 300.0, 120.0], "shmloader": [1000.0, 1800.0, 1440.0]}
+
+    def fake_measure(workload: str, loader: str, make: object, batches: int, repeats: int,
+                     step_s: float, epochs: bool = False) -> Result:
+        order.append((workload, loader))
+        rate = rates[loader][sum(1 for w, ld in order if ld == loader) - 1]
+        return Result(workload, loader, rate, rate / 2, rate * 2, 0.0, 0.1, 1.0,
+                      peak_mb=rate / 10, loader_mb=1.0, batch_bytes=8)
+
+    monkeypatch.setattr(_bench, "measure", fake_measure)
+    args = _bench.parser().parse_args(["--workloads", "tiny", "--loaders", "torch,shmloader", "--rounds", "3",
+                                       "--cache", str(tmp_path)])
+    results, notes = _bench.run(args)
+    assert notes == []
+    assert order == [("tiny", "torch"), ("tiny", "shmloader"), ("tiny", "shmloader"), ("tiny", "torch"),
+                     ("tiny", "torch"), ("tiny", "shmloader")]
+    by = {r.loader: r for r in results}
+    assert [r.loader for r in results] == ["torch", "shmloader"]
+    assert by["torch"].ratio_to_torch == 1.0 and by["torch"].rounds == 3
+    # Rounds' own ratios are 10, 6 and 12: their median is 10. The ratio of the medians would be 12.
+    assert by["shmloader"].ratio_to_torch == 10.0
+    assert by["shmloader"].batches_per_s == 1440.0
+    assert (by["shmloader"].batches_per_s_min, by["shmloader"].batches_per_s_max) == (500.0, 3600.0)
+    assert by["shmloader"].peak_mb == 180.0  # the most memory any round took
