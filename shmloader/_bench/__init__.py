@@ -119,6 +119,7 @@ def _merge(by_round: dict[int, Result], torch_by_round: dict[int, Result]) -> Re
     runs = list(by_round.values())
     out = dataclasses.replace(runs[0])
     out.rounds = len(runs)
+    out.round_rates = [by_round[k].batches_per_s for k in sorted(by_round)]
     out.batches_per_s = statistics.median(r.batches_per_s for r in runs)
     out.batches_per_s_min = min(r.batches_per_s_min for r in runs)
     out.batches_per_s_max = max(r.batches_per_s_max for r in runs)

@@ -82,27 +82,46 @@ def shmem_bytes() -> int:
 
 
 class PeakMemory:
-    """Samples the memory of the process tree every ``interval`` seconds in a thread: its PSS
-    without shared memory, plus the shared memory created since this object was."""
+    """Samples the memory of the process tree in a thread: its PSS without shared memory, plus
+    the shared memory created since this object was.
 
-    def __init__(self, interval: float = 0.05) -> None:
+    The two parts are read at different rates. Shared memory (one line of /proc/meminfo) is
+    where a loader's batches in flight live and changes batch by batch: read every
+    ``interval`` seconds. PSS (smaps_rollup, which walks every process's page tables under
+    its mmap lock) changes slowly and costs 7.5 ms of CPU per read of a loader's tree on a
+    2-vCPU machine: read every ``pss_interval`` seconds. Read every 50 ms it took 15% of a
+    CPU and stalled the workers' page faults: it halved the memmap workload's rate."""
+
+    def __init__(self, interval: float = 0.05, pss_interval: float = 1.0) -> None:
         self._shmem0 = shmem_bytes()
-        self.peak = self.now()
+        self._pss = 0
+        self._read_pss()
+        self.peak = self._pss
         self._interval = interval
+        self._every = max(1, round(pss_interval / interval))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
+    def _read_pss(self) -> None:
+        self._pss = pss_bytes(_tree(os.getpid()), shared=False)
+
     def now(self) -> int:
-        return pss_bytes(_tree(os.getpid()), shared=False) + max(0, shmem_bytes() - self._shmem0)
+        """The last PSS read plus the shared memory now."""
+        return self._pss + max(0, shmem_bytes() - self._shmem0)
 
     def _run(self) -> None:
+        ticks = 0
         while not self._stop.wait(self._interval):
+            ticks += 1
+            if ticks % self._every == 0:
+                self._read_pss()
             self.peak = max(self.peak, self.now())
 
     def stop(self) -> int:
         self._stop.set()
         self._thread.join()
+        self._read_pss()
         self.peak = max(self.peak, self.now())
         return self.peak
 
@@ -140,6 +159,7 @@ class Result:
     ring_growths: int | None = None
     slot_bytes: int | None = None
     rounds: int = 1  # runs merged into this result (shmloader bench --rounds)
+    round_rates: list[float] | None = None  # with --rounds: each round's median batches/s, in round order
 
 
 def measure(

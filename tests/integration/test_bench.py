@@ -107,5 +107,6 @@ def test_rounds_alternate_loaders_and_pair_ratios(tmp_path: pathlib.Path, monkey
     # Rounds' own ratios are 10, 6 and 12: their median is 10. The ratio of the medians would be 12.
     assert by["shmloader"].ratio_to_torch == 10.0
     assert by["shmloader"].batches_per_s == 1440.0
+    assert by["shmloader"].round_rates == [1000.0, 1800.0, 1440.0]
     assert (by["shmloader"].batches_per_s_min, by["shmloader"].batches_per_s_max) == (500.0, 3600.0)
     assert by["shmloader"].peak_mb == 180.0  # the most memory any round took
