@@ -89,40 +89,40 @@ class PeakMemory:
     where a loader's batches in flight live and changes batch by batch: read every
     ``interval`` seconds. PSS (smaps_rollup, which walks every process's page tables under
     its mmap lock) changes slowly and costs 7.5 ms of CPU per read of a loader's tree on a
-    2-vCPU machine: read every ``pss_interval`` seconds. Read every 50 ms it took 15% of a
-    CPU and stalled the workers' page faults: it halved the memmap workload's rate."""
+    2-vCPU machine: read every ``pss_interval`` seconds, and whenever ``sample`` is called
+    (``measure`` calls it once the loader's workers run and again before they stop, so a
+    run shorter than ``pss_interval`` is measured too). Read every 50 ms, PSS took 15% of a
+    CPU and stalled the workers' page faults: the memmap workload lost about 12% of its rate."""
 
     def __init__(self, interval: float = 0.05, pss_interval: float = 1.0) -> None:
         self._shmem0 = shmem_bytes()
+        self._lock = threading.Lock()
         self._pss = 0
-        self._read_pss()
-        self.peak = self._pss
+        self.peak = 0
+        self.sample()
         self._interval = interval
         self._every = max(1, round(pss_interval / interval))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def _read_pss(self) -> None:
-        self._pss = pss_bytes(_tree(os.getpid()), shared=False)
-
-    def now(self) -> int:
-        """The last PSS read plus the shared memory now."""
-        return self._pss + max(0, shmem_bytes() - self._shmem0)
+    def sample(self, pss: bool = True) -> None:
+        """Read the shared memory (and the tree's PSS) now; keep the peak of their sum."""
+        with self._lock:
+            if pss:
+                self._pss = pss_bytes(_tree(os.getpid()), shared=False)
+            self.peak = max(self.peak, self._pss + max(0, shmem_bytes() - self._shmem0))
 
     def _run(self) -> None:
         ticks = 0
         while not self._stop.wait(self._interval):
             ticks += 1
-            if ticks % self._every == 0:
-                self._read_pss()
-            self.peak = max(self.peak, self.now())
+            self.sample(pss=ticks % self._every == 0)
 
     def stop(self) -> int:
         self._stop.set()
         self._thread.join()
-        self._read_pss()
-        self.peak = max(self.peak, self.now())
+        self.sample()
         return self.peak
 
 
@@ -180,6 +180,7 @@ def measure(
     it = iter(loader)
     first = next(it)
     first_s = time.perf_counter() - start
+    memory.sample()  # the workers run: their PSS counts even if the run is short
     nbytes = batch_bytes(first)
     del first
     if epochs:  # the rest of the first epoch: the warm-up the ring adapts in
@@ -200,6 +201,7 @@ def measure(
             del batch
         rates.append(batches / (time.perf_counter() - t))
     cpu = (cpu_seconds(pids) - cpu0) / (batches * repeats)
+    memory.sample()  # before the loader stops
     stats = loader.stats() if hasattr(loader, "stats") else None
     ring = getattr(it, "_ring", None)
     del it

@@ -110,3 +110,21 @@ def test_rounds_alternate_loaders_and_pair_ratios(tmp_path: pathlib.Path, monkey
     assert by["shmloader"].round_rates == [1000.0, 1800.0, 1440.0]
     assert (by["shmloader"].batches_per_s_min, by["shmloader"].batches_per_s_max) == (500.0, 3600.0)
     assert by["shmloader"].peak_mb == 180.0  # the most memory any round took
+
+
+def test_peak_memory_counts_a_child_read_between_pss_reads() -> None:
+    """PSS is read every second, and whenever measure() asks: a child that lives for less than
+    that interval still counts once sample() is called while it runs."""
+    from shmloader._bench.measure import PeakMemory
+
+    memory = PeakMemory(pss_interval=3600.0)  # the thread alone would never read PSS again
+    before = memory.peak
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; b = b'\\1' * (64 << 20); print('ready', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        memory.sample()
+    finally:
+        child.communicate("")
+    assert memory.stop() - before >= 64 << 20
