@@ -35,7 +35,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefetch-factor", type=int, default=2)
     p.add_argument("--batches", type=int, default=None, help="measured batches per repeat (default: per workload)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=1,
+    p.add_argument("--rounds", type=_at_least_one, default=1,
                    help="run every loader this many times, alternated (each round starts with another loader); "
                         "ratios to torch are then the median of each round's own ratio")
     p.add_argument("--quick", action="store_true", help="small settings: what `make bench` runs")
@@ -47,6 +47,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=pathlib.Path, default=None, help="write results as JSON")
     p.add_argument("--plot", type=pathlib.Path, default=None, help="draw throughput and memory (needs matplotlib)")
     return p
+
+
+def _at_least_one(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {n}")
+    return n
 
 
 def _progress(total: int) -> Any:
@@ -69,7 +76,7 @@ def run(args: argparse.Namespace) -> tuple[list[Result], list[str]]:
         else:
             notes.append(f"{ld.name}: skipped, not installed (pip install {ld.pip}, or pip install 'shmloader[bench]')")
     repeats = 2 if args.quick and args.repeats == 3 else args.repeats
-    rounds = max(1, args.rounds)
+    rounds = args.rounds
     bar = _progress(len(workloads) * len(loaders) * rounds)
     results: list[Result] = []
     for w in workloads:
@@ -176,7 +183,7 @@ def metadata(args: argparse.Namespace) -> dict[str, Any]:
         "command": " ".join(["shmloader", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
         "num_workers": args.num_workers,
         "prefetch_factor": args.prefetch_factor,
-        "rounds": max(1, args.rounds),
+        "rounds": args.rounds,
     }
 
 

@@ -66,9 +66,12 @@ def test_plot(tmp_path: pathlib.Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_unknown_names_and_usage() -> None:
+def test_unknown_names_and_usage(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit, match="unknown loader"):
         cli.main(["bench", "--loaders", "nope"])
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--rounds", "0"])
+    assert "argument --rounds: must be at least 1, not 0" in capsys.readouterr().err
     assert cli.main([]) == 2
 
 
