@@ -283,6 +283,36 @@ PyDoc_STRVAR(read_slot_doc,
 "(leaves, lone): the decoded table (as decode_table) and whether the skeleton is exactly\n"
 "`lone` (a batch that is its one leaf). Raises ValueError naming what is wrong.");
 
+/* The header at hdr[header:] and its two spans inside the `cap`-byte data region at data[region:]:
+   0 with the header's fields in f, or -1 with ValueError naming what is wrong. */
+static int slot_fields(const Py_buffer *hview, Py_ssize_t header, const Py_buffer *dview, Py_ssize_t region,
+                       long long cap, int64_t f[N_HEADER_FIELDS]) {
+    if (header < 0 || header % 8 != 0 || header > hview->len || N_HEADER_FIELDS * 8 > hview->len - header) {
+        PyErr_Format(PyExc_ValueError, "header at %zd outside the buffer", header);
+        return -1;
+    }
+    if (region < 0 || cap < 0 || region > dview->len || cap > dview->len - region) {
+        PyErr_Format(PyExc_ValueError, "data region [%zd, +%lld) outside the buffer", region, cap);
+        return -1;
+    }
+    memcpy(f, (const char *)hview->buf + header, N_HEADER_FIELDS * sizeof f[0]);
+    static const char *const what[2] = {"leaf table", "pickled skeleton or error"};
+    for (int k = 0; k < 2; k++) {
+        int64_t off = f[k ? F_PICKLED_OFF : F_TABLE_OFF], len = f[k ? F_PICKLED_LEN : F_TABLE_LEN];
+        if (off < 0 || len < 0 || off > cap || len > cap - off) {
+            PyErr_Format(PyExc_ValueError, "%s [%lld, +%lld) lies outside the slot's %lld-byte data region",
+                         what[k], (long long)off, (long long)len, cap);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Whether the skeleton the fields f name, in the data region at base, is exactly lone[0:lone_len]. */
+static int skeleton_is(const int64_t f[N_HEADER_FIELDS], const char *base, const char *lone, Py_ssize_t lone_len) {
+    return f[F_PICKLED_LEN] == lone_len && memcmp(base + f[F_PICKLED_OFF], lone, (size_t)lone_len) == 0;
+}
+
 static PyObject *read_slot(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 6) {
         PyErr_SetString(PyExc_TypeError, "read_slot takes 6 arguments");
@@ -302,33 +332,113 @@ static PyObject *read_slot(PyObject *self, PyObject *const *args, Py_ssize_t nar
     char *lone;
     Py_ssize_t lone_len;
     if (PyErr_Occurred() || PyBytes_AsStringAndSize(args[5], &lone, &lone_len) < 0) goto done;
-    if (header < 0 || header % 8 != 0 || header > hview.len || N_HEADER_FIELDS * 8 > hview.len - header) {
-        PyErr_Format(PyExc_ValueError, "header at %zd outside the buffer", header);
-        goto done;
-    }
-    if (data < 0 || cap < 0 || data > dview.len || cap > dview.len - data) {
-        PyErr_Format(PyExc_ValueError, "data region [%zd, +%lld) outside the buffer", data, cap);
-        goto done;
-    }
     int64_t f[N_HEADER_FIELDS];
-    memcpy(f, (const char *)hview.buf + header, sizeof f);
-    static const char *const what[2] = {"leaf table", "pickled skeleton or error"};
-    for (int k = 0; k < 2; k++) {
-        int64_t off = f[k ? F_PICKLED_OFF : F_TABLE_OFF], len = f[k ? F_PICKLED_LEN : F_TABLE_LEN];
-        if (off < 0 || len < 0 || off > cap || len > cap - off) {
-            PyErr_Format(PyExc_ValueError, "%s [%lld, +%lld) lies outside the slot's %lld-byte data region",
-                         what[k], (long long)off, (long long)len, cap);
-            goto done;
-        }
-    }
+    if (slot_fields(&hview, header, &dview, data, cap, f) < 0) goto done;
     const char *region_base = (const char *)dview.buf + data;
     PyObject *leaves = decode_entries(region_base + f[F_TABLE_OFF], (Py_ssize_t)f[F_TABLE_LEN], cap);
     if (leaves == NULL) goto done;
-    int is_lone = f[F_PICKLED_LEN] == lone_len && memcmp(region_base + f[F_PICKLED_OFF], lone, (size_t)lone_len) == 0;
-    out = Py_BuildValue("(NO)", leaves, is_lone ? Py_True : Py_False);
+    out = Py_BuildValue("(NO)", leaves, skeleton_is(f, region_base, lone, lone_len) ? Py_True : Py_False);
 done:
     PyBuffer_Release(&dview);
     PyBuffer_Release(&hview);
+    return out;
+}
+
+/* Indices into lend_lone's `lone` tuple (RingIterator._lone_args). */
+enum { L_RING, L_HEADERS, L_DATA, L_CAP, L_SKELETON, L_REGION_FIELD, L_SLOT_REGION, L_TENSOR, L_NP_DTYPES,
+       L_MAX_NDIM, L_NDARRAY, L_FROM_NUMPY, L_MAX_LENT, N_LONE };
+
+PyDoc_STRVAR(lend_lone_doc,
+"lend_lone($module, slot, bases, lone, /)\n"
+"--\n\n"
+"read_batch's common case and Leases.lend in one call, for a slot just taken: a batch that is\n"
+"one tensor in the slot's own data region. `lone` = (ring, header offsets, data offsets, data\n"
+"bytes, LONE_LEAF, Field.REGION, Region.SLOT, Kind.TENSOR, NP_DTYPES, _NUMPY_MAX_NDIM,\n"
+"np.ndarray, torch.from_numpy, most slots lent). If fewer than that many slots are in `bases`\n"
+"and the slot's header and leaf table check and say so, the batch is torch.from_numpy(base) of\n"
+"a fresh array `base` over its bytes; bases[slot] = base; returns (batch, nbytes). Returns None,\n"
+"having changed nothing, for anything else (another region, a table that is not one tensor\n"
+"leaf, a dtype numpy lacks, a header that does not check): read_batch builds that batch, or\n"
+"says what is wrong with it.");
+
+static PyObject *lend_lone(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyDict_CheckExact(args[1]) || !PyTuple_Check(args[2]) || PyTuple_GET_SIZE(args[2]) != N_LONE) {
+        PyErr_SetString(PyExc_TypeError, "lend_lone takes a slot, the lease dict and the lone tuple");
+        return NULL;
+    }
+    PyObject *slot_obj = args[0], *bases = args[1], *lone = args[2];
+    PyObject *headers = PyTuple_GET_ITEM(lone, L_HEADERS), *datas = PyTuple_GET_ITEM(lone, L_DATA),
+             *np_dtypes = PyTuple_GET_ITEM(lone, L_NP_DTYPES);
+    if (!PyTuple_Check(headers) || !PyTuple_Check(datas) || !PyTuple_Check(np_dtypes) ||
+        PyTuple_GET_SIZE(headers) != PyTuple_GET_SIZE(datas)) {
+        PyErr_SetString(PyExc_TypeError, "lend_lone: header and data offsets must be tuples of one length");
+        return NULL;
+    }
+    Py_ssize_t slot = PyLong_AsSsize_t(slot_obj), max_lent = PyLong_AsSsize_t(PyTuple_GET_ITEM(lone, L_MAX_LENT));
+    long long cap = PyLong_AsLongLong(PyTuple_GET_ITEM(lone, L_CAP)),
+              region_field = PyLong_AsLongLong(PyTuple_GET_ITEM(lone, L_REGION_FIELD)),
+              slot_region = PyLong_AsLongLong(PyTuple_GET_ITEM(lone, L_SLOT_REGION)),
+              tensor = PyLong_AsLongLong(PyTuple_GET_ITEM(lone, L_TENSOR)),
+              max_ndim = PyLong_AsLongLong(PyTuple_GET_ITEM(lone, L_MAX_NDIM));
+    if (PyErr_Occurred()) return NULL;
+    if (slot < 0 || slot >= PyTuple_GET_SIZE(headers) || region_field < 0 || region_field >= N_HEADER_FIELDS) {
+        PyErr_Format(PyExc_ValueError, "lend_lone: slot %zd or header field %lld out of range", slot, region_field);
+        return NULL;
+    }
+    if (PyDict_GET_SIZE(bases) >= max_lent) Py_RETURN_NONE; /* the caller decides whether to copy */
+    Py_ssize_t header = PyLong_AsSsize_t(PyTuple_GET_ITEM(headers, slot)),
+               data = PyLong_AsSsize_t(PyTuple_GET_ITEM(datas, slot));
+    char *skeleton;
+    Py_ssize_t skeleton_len;
+    if (PyErr_Occurred() || PyBytes_AsStringAndSize(PyTuple_GET_ITEM(lone, L_SKELETON), &skeleton, &skeleton_len) < 0)
+        return NULL;
+    PyObject *ring = PyTuple_GET_ITEM(lone, L_RING), *entries = NULL, *offset = NULL, *arr = NULL, *out = NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(ring, &view, PyBUF_SIMPLE) < 0) return NULL;
+    int64_t f[N_HEADER_FIELDS];
+    if (slot_fields(&view, header, &view, data, cap, f) < 0) {
+        PyErr_Clear(); /* read_batch says what is wrong */
+        goto none;
+    }
+    const char *base = (const char *)view.buf + data;
+    if (f[region_field] != slot_region || !skeleton_is(f, base, skeleton, skeleton_len)) goto none;
+    entries = decode_entries(base + f[F_TABLE_OFF], (Py_ssize_t)f[F_TABLE_LEN], cap);
+    if (entries == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_ValueError)) goto fail;
+        PyErr_Clear();
+        goto none;
+    }
+    if (PyList_GET_SIZE(entries) != 1) goto none;
+    /* (code, kind, offset, nbytes, shape), as decode_entries built it */
+    PyObject *entry = PyList_GET_ITEM(entries, 0), *shape = PyTuple_GET_ITEM(entry, 4);
+    long code = PyLong_AsLong(PyTuple_GET_ITEM(entry, 0)), kind = PyLong_AsLong(PyTuple_GET_ITEM(entry, 1));
+    long long off = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 2));
+    PyObject *nbytes = PyTuple_GET_ITEM(entry, 3);
+    long long size = PyLong_AsLongLong(nbytes);
+    if (PyErr_Occurred()) goto fail;
+    if (kind != tensor || code < 0 || code >= PyTuple_GET_SIZE(np_dtypes) || PyTuple_GET_ITEM(np_dtypes, code) == Py_None ||
+        PyTuple_GET_SIZE(shape) > max_ndim || size <= 0)
+        goto none;
+    offset = PyLong_FromLongLong((long long)data + off);
+    if (offset == NULL) goto fail;
+    PyBuffer_Release(&view); /* the array takes its own export of the ring */
+    view.obj = NULL;
+    PyObject *array_args[4] = {shape, PyTuple_GET_ITEM(np_dtypes, code), ring, offset};
+    arr = PyObject_Vectorcall(PyTuple_GET_ITEM(lone, L_NDARRAY), array_args, 4, NULL);
+    if (arr == NULL) goto fail;
+    PyObject *batch = PyObject_Vectorcall(PyTuple_GET_ITEM(lone, L_FROM_NUMPY), &arr, 1, NULL);
+    if (batch == NULL) goto fail;
+    out = PyTuple_Pack(2, batch, nbytes);
+    Py_DECREF(batch);
+    if (out != NULL && PyDict_SetItem(bases, slot_obj, arr) < 0) Py_CLEAR(out);
+    goto fail;
+none:
+    out = Py_NewRef(Py_None);
+fail:
+    Py_XDECREF(arr);
+    Py_XDECREF(offset);
+    Py_XDECREF(entries);
+    if (view.obj != NULL) PyBuffer_Release(&view);
     return out;
 }
 
@@ -433,6 +543,7 @@ static PyMethodDef methods[] = {
     {"encode_table", encode_table, METH_VARARGS, encode_table_doc},
     {"decode_table", decode_table, METH_VARARGS, decode_table_doc},
     {"read_slot", (PyCFunction)(void (*)(void))read_slot, METH_FASTCALL, read_slot_doc},
+    {"lend_lone", (PyCFunction)(void (*)(void))lend_lone, METH_FASTCALL, lend_lone_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -48,7 +48,7 @@ from ._dispatch import Dispatcher, as_list, batches_of
 from ._errors import CorruptSlotError, MemoryBudgetError, WorkerDiedError, raise_worker_error
 from ._budget import plan_ring
 from ._layout import DONE, IDLE, N_FIELDS, PAGE, RESIZE_TASK, Counter, Field, Region, RingGeometry, Status, grown_slot_bytes, round_up
-from ._lease import Leases, Where, copy_leaf, leaves_of, read_batch, read_dataset_state, read_pickled, slot_of
+from ._lease import Leases, Where, copy_leaf, leaves_of, lone_args, read_batch, read_dataset_state, read_pickled, slot_of
 from ._overflow import OverflowArena
 from ._pool import WorkerPool
 from ._ring import NOT_INTS, POSTED, Ring
@@ -98,6 +98,7 @@ class RingIterator(_BaseDataLoaderIter):
         self._iterable = self._dataset_kind == _DatasetKind.Iterable
         self._shutdown = True  # until the workers exist
         self._ring: Ring | None = None
+        self._lone: tuple[Any, ...] | None = None  # _native.lend_lone's view of the ring (see _steady)
         self._started = False
         self._deadline: float | None = None
         self._banked = 0
@@ -295,7 +296,20 @@ class RingIterator(_BaseDataLoaderIter):
             if slot >= 0:
                 self._rcvd_seq += 1
                 self._dispatch()  # as in _round: the batch taken left the tasks
-                return self._deliver(slot)
+                # A batch that is one tensor in its slot: built and lent in one call. (_lone is None
+                # for an IterableDataset, whose batches carry notes; overflow memory is _deliver's.)
+                if self._lone is not None and not self._overflow:
+                    try:
+                        built = _native.lend_lone(slot, leases.bases, self._lone)
+                    except BaseException:
+                        table.give_back(slot)
+                        raise
+                    if built is not None:
+                        counters = self._counters
+                        counters.batches += 1
+                        counters.bytes += built[1]
+                        return built[0]
+                return self._deliver(slot)  # anything else, or what lend_lone left as it found it
             if slot == _GENERAL:
                 return self._round()  # (a round ran last whenever the general path waits)
             self._dispatch()
@@ -363,6 +377,7 @@ class RingIterator(_BaseDataLoaderIter):
         self._leases = Leases()
         ring = Ring(geometry)
         self._ring = ring
+        self._lone = None if self._iterable else lone_args(ring, geometry.num_slots)
         if self._device is not None:
             self._stager = _device.DeviceStager(self._device, self._device_prefetch)
         if self._stager is not None or (self._pin_memory and self._pin_memory_device == "cuda"):
@@ -701,6 +716,7 @@ class RingIterator(_BaseDataLoaderIter):
             self._arena.retire(old.mm, held)
         self._table = SlotTable(g.num_slots, self._num_workers, self._table.epoch)
         self._leases = Leases()
+        self._lone = None if self._iterable else lone_args(ring, g.num_slots)
         self._counters.ring_growths += 1
 
     # ------------------------------------------------------------ delivery

@@ -69,6 +69,20 @@ class Sized(Dataset):  # type: ignore[type-arg]
         return torch.full((self.sizes[i],), float(i))
 
 
+class Noise(Dataset):  # type: ignore[type-arg]
+    """Sample i is a tensor of ``shape`` and ``dtype`` drawn from a generator seeded by i."""
+
+    def __init__(self, n: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.n, self.shape, self.dtype = n, shape, dtype
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(i)
+        return (torch.randn(self.shape, generator=g) * 1000).to(self.dtype)
+
+
 class Failing(Dataset):  # type: ignore[type-arg]
     def __init__(self, n: int, bad: int, exc: type[Exception] = ValueError) -> None:
         self.n, self.bad, self.exc = n, bad, exc

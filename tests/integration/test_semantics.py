@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import inspect
 from typing import Any
 
@@ -11,8 +12,9 @@ import torch
 import torch.utils.data as tud
 
 import shmloader
+from shmloader import _native
 from tests.conftest import same
-from tests.datasets import InitMarker, Range, Rich, Seeds, Shards, Sized, init_marker
+from tests.datasets import InitMarker, Noise, Range, Rich, Seeds, Shards, Sized, init_marker
 
 
 def reference(dataset: Any, **kw: Any) -> list[Any]:
@@ -274,3 +276,37 @@ def test_tasks_prefetched_during_the_step_match_torch(prefetch_factor: int) -> N
     # In `for batch in loader`, the loop variable still holds the previous batch (its slot)
     # while next() runs, so one task fewer is in flight until it is rebound (README).
     assert ahead(shmloader.DataLoader, True, prefetch_factor)[1:] == [2 * prefetch_factor - 1] * 11
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.uint8, torch.bfloat16])
+def test_one_tensor_batches_equal_torchs_whether_dropped_or_kept(dtype: torch.dtype, monkeypatch: Any) -> None:
+    """The common batch, one tensor, is built and lent by one native call (``lend_lone``; bfloat16,
+    which numpy lacks, by read_batch). Its batches equal torch's bit for bit and in order, over
+    persistent epochs whose batches the loop drops (their slots come back) and one that keeps
+    every batch (the ring's last slot then holds copies)."""
+    calls: collections.Counter[str] = collections.Counter()
+    lend_lone = _native.lend_lone
+
+    def counted(slot: int, bases: dict[int, Any], lone: tuple[Any, ...]) -> Any:
+        built = lend_lone(slot, bases, lone)
+        calls["built" if built is not None else "left"] += 1
+        return built
+
+    monkeypatch.setattr(_native, "lend_lone", counted)
+    dataset = Noise(203, (5, 7), dtype)
+    want = list(tud.DataLoader(dataset, batch_size=8))
+    loader = shmloader.DataLoader(dataset, batch_size=8, num_workers=2, persistent_workers=True)
+    try:
+        for _ in range(2):
+            got = []
+            for batch in loader:
+                got.append(batch.clone())
+                del batch
+            same(got, want)
+        same(list(loader), want)
+    finally:
+        loader._iterator._shutdown_workers()
+    if dtype == torch.bfloat16:
+        assert calls["built"] == 0 and calls["left"] > 0
+    else:
+        assert calls["built"] >= 2 * len(want)  # every dropped batch (the first of an epoch may come another way)

@@ -24,7 +24,8 @@ Each round checks what the functions promise, not only that they survive:
   ValueError for offsets outside the blob, or hands the key to ``_item``; ``plain_value``
   agrees with a Python model on random nested values;
 - ``read_slot`` over headers pointing anywhere: ValueError, or leaves inside the data region and
-  a lone flag that is right; ``same_attr`` over getters that raise or empty the caller's list,
+  a lone flag that is right; ``lend_lone`` over the same: ValueError or None with nothing lent,
+  or one array lent inside the data region with its table's byte size; ``same_attr`` over getters that raise or empty the caller's list,
   and over builtin types' getters (called directly) answering as getattr does;
 - the synchronisation calls (``sem_*``, ``load_acquire``, ``store_*``, ``collect``,
   ``post_task``, ``publish``, ``take_task``) refuse offsets outside the buffer or misaligned, with
@@ -157,6 +158,69 @@ def fuzz_read_slot(native: Any, rng: random.Random, g: Guarded) -> None:
     assert is_lone == (fields[pickled_len] == len(lone) and skeleton == lone and fields[pickled_off] == 2048)
     for code, kind, loff, nbytes, shape in table:
         assert 0 <= loff and loff + nbytes <= cap, (loff, nbytes, cap)
+
+
+def fuzz_lend_lone(native: Any, rng: random.Random, g: Guarded) -> None:
+    """``lend_lone`` over the headers, tables and skeletons of ``fuzz_read_slot``, with stand-ins
+    for ``np.ndarray`` and ``torch.from_numpy``: ValueError with nothing lent; None with
+    ``bases`` as it was; or one batch lent whose array lies inside the slot's data region, with
+    the table's byte size and a shape that matches it."""
+    lone = b"\x80\x05\x95\x04\x00\x00\x00\x00\x00\x00\x00K\x00Q."
+    header, data = SEMS, SEMS + 256
+    cap = rng.choice([512, 4096, SIZE - data, SIZE - data, SIZE - data + 8])
+    fields = [rng.randrange(-5, 5) for _ in range(native.N_HEADER_FIELDS)]
+    table_off, table_len, pickled_off, pickled_len = native.READ_SLOT_FIELDS
+    region = native.N_HEADER_FIELDS - 1  # Field.REGION
+    buf, n = random_table(native, rng, 1024, offsets=8, ndim=4, leaves=rng.choice([2, 2, 3])) or (bytearray(1024), 8)
+    if rng.random() < 0.2:
+        buf[rng.randrange(n)] = rng.randrange(256)
+    skeleton = lone if rng.random() < 0.9 else rng.randbytes(len(lone))
+    g.view[data + 1024 : data + 1024 + n] = buf[:n]
+    g.view[data + 2048 : data + 2048 + len(skeleton)] = skeleton
+
+    def mostly(valid: Any, *odd: Any) -> Any:  # each field damaged now and then, so batches get lent
+        return valid if rng.random() < 0.85 else rng.choice(odd)
+
+    fields[table_off] = mostly(1024, -8, 2**62, SIZE, 1032)
+    fields[table_len] = mostly(n, n - 1, 0, -1, 2**62)
+    fields[pickled_off] = mostly(2048, -1, 2**62, 2049)
+    fields[pickled_len] = mostly(len(lone), len(lone) - 1, -1)
+    fields[region] = mostly(0, 1, 2, -1)
+    g.view[header : header + 8 * len(fields)] = struct.pack(f"<{len(fields)}q", *fields)
+    hdr = mostly(header, header + 4, -8, SIZE - 64, SIZE)
+    codes = len(native.ITEMSIZES)
+    np_dtypes = tuple(None if rng.random() < 0.2 else f"dtype{c}" for c in range(rng.choice([codes, codes, 3])))
+    made: list[tuple[Any, ...]] = []
+
+    def ndarray(shape: Any, dtype: Any, buffer: Any, offset: int) -> bytearray:
+        made.append((shape, dtype, buffer, offset))
+        return bytearray(1)  # a fresh object, as the array is
+
+    held = {7: bytearray(1)} if rng.random() < 0.3 else {}
+    bases = dict(held)
+    max_lent = rng.choice([1, 2, 2])
+    args = (g.view, (hdr,), (data,), cap, lone, region, 0, 0, np_dtypes, rng.choice([2, 32]), ndarray,
+            lambda a: ("batch", a), max_lent)
+    try:
+        built = native.lend_lone(0, bases, args)
+    except (ValueError, OverflowError):
+        g.check("lend_lone")
+        assert bases == held
+        return
+    g.check("lend_lone")
+    if built is None:
+        assert bases == held and not made
+        return
+    (tag, arr), nbytes = built
+    assert tag == "batch" and bases == {**held, 0: arr} and len(held) < max_lent and len(made) == 1
+    assert hdr == header and fields[region] == 0 and skeleton == lone and fields[pickled_len] == len(lone)
+    shape, dtype, buffer, offset = made[0]
+    code = int(dtype[len("dtype"):])
+    assert buffer is g.view and dtype == np_dtypes[code] and nbytes > 0
+    size = native.ITEMSIZES[code]
+    for d in shape:
+        size *= d
+    assert size == nbytes and data <= offset and offset + nbytes <= data + cap, (shape, offset, nbytes, cap)
 
 
 def fuzz_same_attr(native: Any, rng: random.Random, g: Guarded) -> None:
@@ -531,7 +595,7 @@ def main() -> None:
     g = Guarded()
     for k in range(0, SEMS, native.SEM_STRIDE):
         native.sem_init(g.view, k)
-    kinds = [fuzz_decode, fuzz_encode, fuzz_sync, fuzz_pack, fuzz_items, fuzz_read_slot, fuzz_same_attr, fuzz_unviewed, fuzz_steady_take,
+    kinds = [fuzz_decode, fuzz_encode, fuzz_sync, fuzz_pack, fuzz_items, fuzz_read_slot, fuzz_lend_lone, fuzz_same_attr, fuzz_unviewed, fuzz_steady_take,
              fuzz_dispatch_next]
     for i in range(count):
         rng.choice(kinds)(native, rng, g)
