@@ -344,7 +344,7 @@ done:
     return out;
 }
 
-/* Indices into lend_lone's `lone` tuple (RingIterator._lone_args). */
+/* Indices into lend_lone's `lone` tuple (shmloader/_lease.py's lone_args). */
 enum { L_RING, L_HEADERS, L_DATA, L_CAP, L_SKELETON, L_REGION_FIELD, L_SLOT_REGION, L_TENSOR, L_NP_DTYPES,
        L_MAX_NDIM, L_NDARRAY, L_FROM_NUMPY, L_MAX_LENT, N_LONE };
 
@@ -404,7 +404,7 @@ static PyObject *lend_lone(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (f[region_field] != slot_region || !skeleton_is(f, base, skeleton, skeleton_len)) goto none;
     entries = decode_entries(base + f[F_TABLE_OFF], (Py_ssize_t)f[F_TABLE_LEN], cap);
     if (entries == NULL) {
-        if (!PyErr_ExceptionMatches(PyExc_ValueError)) goto fail;
+        if (!PyErr_ExceptionMatches(PyExc_ValueError)) goto done;
         PyErr_Clear();
         goto none;
     }
@@ -415,26 +415,26 @@ static PyObject *lend_lone(PyObject *self, PyObject *const *args, Py_ssize_t nar
     long long off = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 2));
     PyObject *nbytes = PyTuple_GET_ITEM(entry, 3);
     long long size = PyLong_AsLongLong(nbytes);
-    if (PyErr_Occurred()) goto fail;
+    if (PyErr_Occurred()) goto done;
     if (kind != tensor || code < 0 || code >= PyTuple_GET_SIZE(np_dtypes) || PyTuple_GET_ITEM(np_dtypes, code) == Py_None ||
         PyTuple_GET_SIZE(shape) > max_ndim || size <= 0)
         goto none;
     offset = PyLong_FromLongLong((long long)data + off);
-    if (offset == NULL) goto fail;
+    if (offset == NULL) goto done;
     PyBuffer_Release(&view); /* the array takes its own export of the ring */
     view.obj = NULL;
     PyObject *array_args[4] = {shape, PyTuple_GET_ITEM(np_dtypes, code), ring, offset};
     arr = PyObject_Vectorcall(PyTuple_GET_ITEM(lone, L_NDARRAY), array_args, 4, NULL);
-    if (arr == NULL) goto fail;
+    if (arr == NULL) goto done;
     PyObject *batch = PyObject_Vectorcall(PyTuple_GET_ITEM(lone, L_FROM_NUMPY), &arr, 1, NULL);
-    if (batch == NULL) goto fail;
+    if (batch == NULL) goto done;
     out = PyTuple_Pack(2, batch, nbytes);
     Py_DECREF(batch);
     if (out != NULL && PyDict_SetItem(bases, slot_obj, arr) < 0) Py_CLEAR(out);
-    goto fail;
+    goto done;
 none:
     out = Py_NewRef(Py_None);
-fail:
+done:
     Py_XDECREF(arr);
     Py_XDECREF(offset);
     Py_XDECREF(entries);
