@@ -45,7 +45,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
 from . import _checkpoint, _device, _native
 from ._dispatch import Dispatcher, as_list, batches_of
-from ._errors import CorruptSlotError, MemoryBudgetError, WorkerDiedError, raise_worker_error
+from ._errors import CorruptSlotError, MemoryBudgetError, StopCarrier, WorkerDiedError, raise_worker_error
 from ._budget import plan_ring
 from ._layout import DONE, IDLE, N_FIELDS, PAGE, RESIZE_TASK, Counter, Field, Region, RingGeometry, Status, grown_slot_bytes, round_up
 from ._lease import Leases, Where, copy_leaf, leaves_of, lone_args, read_batch, read_dataset_state, read_pickled, slot_of
@@ -294,22 +294,7 @@ class RingIterator(_BaseDataLoaderIter):
                 table.load, table.free, leases.bases, table.epoch, self._rcvd_seq, _STEADY)
             table.outstanding -= gone
             if slot >= 0:
-                self._rcvd_seq += 1
-                self._dispatch()  # as in _round: the batch taken left the tasks
-                # A batch that is one tensor in its slot: built and lent in one call. (_lone is None
-                # for an IterableDataset, whose batches carry notes; overflow memory is _deliver's.)
-                if self._lone is not None and not self._overflow:
-                    try:
-                        built = _native.lend_lone(slot, leases.bases, self._lone)
-                    except BaseException:
-                        table.give_back(slot)
-                        raise
-                    if built is not None:
-                        counters = self._counters
-                        counters.batches += 1
-                        counters.bytes += built[1]
-                        return built[0]
-                return self._deliver(slot)  # anything else, or what lend_lone left as it found it
+                return self._hand_out(slot)
             if slot == _GENERAL:
                 return self._round()  # (a round ran last whenever the general path waits)
             self._dispatch()
@@ -318,6 +303,26 @@ class RingIterator(_BaseDataLoaderIter):
             if self._sampler_done and not table.outstanding:
                 return self._round()  # the epoch ends: the round says so
             self._block(_READY)  # as the general path waits: yields, then workers and timeout checked, then sleep
+
+    def _hand_out(self, slot: int) -> Any:
+        """The batch of ``slot``, just taken in order: the next task dispatched (the batch left
+        the tasks, as in _round), then the batch built and lent."""
+        self._rcvd_seq += 1
+        self._dispatch()
+        # A batch that is one tensor in its slot: built and lent in one call. (_lone is None for
+        # an IterableDataset, whose batches carry notes; overflow memory is _deliver's.)
+        if self._lone is not None and not self._overflow:
+            try:
+                built = _native.lend_lone(slot, self._leases.bases, self._lone)
+            except BaseException:
+                self._table.give_back(slot)
+                raise
+            if built is not None:
+                counters = self._counters
+                counters.batches += 1
+                counters.bytes += built[1]
+                return built[0]
+        return self._deliver(slot)  # anything else, or what lend_lone left as it found it
 
     def _give_back_returned(self) -> None:
         """Slots whose batches the user dropped (or released) become free."""
@@ -837,7 +842,48 @@ class RingIterator(_BaseDataLoaderIter):
             return super().__next__()
         # torch's __next__ without the record_function scope, which costs more than
         # a small batch's whole transport when no profiler is listening.
-        data = self._next_data()
+        if (self._lone is None or not self._started or self._shutdown or not self._in_order or self._overflow
+                or self._stager is not None or self._pending_error is not None or self._timeout > 0):
+            data = self._next_data()
+            self._count_yield()
+            return data
+        # The steady state's common case in one frame: _next_data and _steady (their accounting,
+        # take, dispatch and lend_lone) without the calls between them. What it does not finish
+        # (no batch ready yet, anything out of the ordinary) _next_data does, from where it stopped.
+        asked = time.perf_counter()
+        table = self._table
+        leases = self._leases
+        ring = self._ring
+        assert ring is not None
+        if leases.released or table.waiting_count or self._grow_to is not None:
+            return self._next_general(asked)
+        try:
+            slot, self._banked, gone = _native.steady_take(
+                ring.mm, ring.ready_sem, ring.header_offsets, self._banked, table.tasks, table.state, table.ready,
+                table.load, table.free, leases.bases, table.epoch, self._rcvd_seq, _STEADY)
+            table.outstanding -= gone
+        except BaseException as exc:
+            if (instead := self._failed(exc)) is not None:
+                raise instead from None  # a worker's StopIteration ends the loop, as in torch's loader
+            raise
+        if slot < 0:
+            return self._next_general(asked)
+        counters = self._counters
+        counters.requested(asked)
+        try:
+            self._awaiting_room = False
+            data = self._hand_out(slot)
+        except BaseException as exc:
+            if (instead := self._failed(exc)) is not None:
+                raise instead from None  # a worker's StopIteration ends the loop, as in torch's loader
+            raise
+        finally:
+            counters.returned(asked)
+        self._num_yielded += 1  # (_count_yield's warning is for an IterableDataset: never here)
+        return data
+
+    def _next_general(self, asked: float) -> Any:
+        data = self._next_data(asked)
         self._count_yield()
         return data
 
@@ -855,8 +901,8 @@ class RingIterator(_BaseDataLoaderIter):
                 stacklevel=4,
             )
 
-    def _next_data(self) -> Any:
-        asked = self._counters.requested()
+    def _next_data(self, asked: float | None = None) -> Any:
+        asked = self._counters.requested(asked)
         try:
             # The steady state (started, running, nothing staged or pending): in order, _steady
             # (its waits included); otherwise one _round. The generator only when they say so.
@@ -874,7 +920,8 @@ class RingIterator(_BaseDataLoaderIter):
         except StopIteration as stop:
             result = stop.value
         except BaseException as exc:
-            self._failed(exc)
+            if (instead := self._failed(exc)) is not None:
+                raise instead from None  # a worker's StopIteration ends the loop, as in torch's loader
             raise
         finally:
             self._counters.returned(asked)
@@ -883,15 +930,18 @@ class RingIterator(_BaseDataLoaderIter):
             raise StopIteration
         return result
 
-    def _failed(self, exc: BaseException) -> None:
+    def _failed(self, exc: BaseException) -> StopIteration | None:
         """``exc`` leaves ``next()``: one batch's error leaves the loader running; anything else
-        stops the workers, and later ``next()`` calls say why."""
+        stops the workers, and later ``next()`` calls say why. Returns the StopIteration to
+        raise instead when ``exc`` carries one (StopCarrier), else None (raise ``exc``)."""
+        stop = exc.stop if isinstance(exc, StopCarrier) else None
         if self._raising_batch_error:
             self._raising_batch_error = False
-            return
+            return stop
         if self._fatal is None:
-            self._fatal = exc
+            self._fatal = exc if stop is None else stop
         self._shutdown_workers()
+        return stop
 
     def _block(self, request: tuple[Any, ...]) -> None:
         began = time.perf_counter()
@@ -951,7 +1001,8 @@ class RingIterator(_BaseDataLoaderIter):
                 self._shutdown_workers()
             raise
         except BaseException as exc:
-            self._failed(exc)
+            if (instead := self._failed(exc)) is not None:
+                raise StopAsyncIteration from instead  # as a sync loop ends at a worker's StopIteration
             raise
         finally:
             self._counters.returned(asked)

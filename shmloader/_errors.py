@@ -32,6 +32,17 @@ class MemoryBudgetError(ShmLoaderError, MemoryError):
     """``memory_budget`` cannot hold one slot per worker, or one batch beside the ring."""
 
 
+class StopCarrier(Exception):
+    """A worker's StopIteration (the dataset or collate_fn raised it) on its way out of
+    ``next()``: inside the loader it passes generators, which would turn a StopIteration into
+    a RuntimeError (PEP 479). ``next()`` raises ``stop`` itself, as torch's loader does, so a
+    ``for`` loop ends there. Internal: never leaves the loader."""
+
+    def __init__(self, stop: StopIteration) -> None:
+        super().__init__(stop)
+        self.stop = stop
+
+
 def raise_worker_error(error: ExceptionWrapper) -> NoReturn:
     """``error.reraise()`` (a worker's ``ExceptionWrapper``) without the reference cycle it
     makes: its finished frame keeps the exception it raised, whose traceback keeps that frame
@@ -50,5 +61,7 @@ def raise_worker_error(error: ExceptionWrapper) -> NoReturn:
         except RuntimeError:
             pass  # raised here, not in reraise() (not an ExceptionWrapper): this frame still runs
         del tb  # (this frame would keep the traceback too)
+        if isinstance(exc, StopIteration):
+            raise StopCarrier(exc) from None
         raise
     raise AssertionError("ExceptionWrapper.reraise() returned")

@@ -28,9 +28,11 @@ class Counters:
         self.ring_growths = 0
         self._last_return: float | None = None
 
-    def requested(self) -> float:
-        """The consumer asks for a batch: the time since the last one was its own work."""
-        now = time.perf_counter()
+    def requested(self, now: float | None = None) -> float:
+        """The consumer asks for a batch (at ``now``, or now): the time since the last one was
+        its own work."""
+        if now is None:
+            now = time.perf_counter()
         if self._last_return is not None:
             self.compute_s += now - self._last_return
         return now

@@ -344,17 +344,17 @@ class Planned(Dataset):  # type: ignore[type-arg]
 
 
 class BadSamples(Dataset):  # type: ignore[type-arg]
-    """Sample i is tensor([i]); the samples in ``bad`` raise ValueError."""
+    """Sample i is tensor([i]); the samples in ``bad`` raise ``error`` (ValueError)."""
 
-    def __init__(self, n: int, bad: tuple[int, ...]) -> None:
-        self.n, self.bad = n, bad
+    def __init__(self, n: int, bad: tuple[int, ...], error: type[BaseException] = ValueError) -> None:
+        self.n, self.bad, self.error = n, bad, error
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> torch.Tensor:
         if i in self.bad:
-            raise ValueError(f"sample {i} is broken")
+            raise self.error(f"sample {i} is broken")
         return torch.tensor([i])
 
 

@@ -114,6 +114,57 @@ def test_an_error_in_the_first_batch_then_the_rest() -> None:
     assert outcomes(loader) == outcomes(tud.DataLoader(BadSamples(12, (0,)), batch_size=2, **kw))
 
 
+STOPS = (5, 22)  # samples that raise StopIteration: batches 1 and 5 of 10
+
+
+def loops(loader: Any, count: int) -> list[list[list[int]]]:
+    """What ``count`` for loops over one iterator see: a worker's StopIteration ends a loop there
+    (torch's loader raises it from next()), and the next loop goes on after it."""
+    it = iter(loader)
+    return [[b.flatten().tolist() for b in it] for _ in range(count)]
+
+
+async def async_loops(loader: Any, count: int) -> list[list[list[int]]]:
+    it = aiter(loader)
+    out = []
+    for _ in range(count):
+        out.append([b.flatten().tolist() async for b in it])
+    return out
+
+
+@pytest.mark.parametrize("path", ["steady", "timeout", "unordered", "async"])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_datasets_stopiteration_ends_the_loop_like_torch(path: str, workers: int) -> None:
+    kw: dict[str, Any] = dict(batch_size=4, num_workers=workers, in_order=path != "unordered",
+                              timeout=30 if path == "timeout" else 0)
+    want = loops(tud.DataLoader(BadSamples(40, STOPS, StopIteration), **kw), 4)
+    shm = shmloader.DataLoader(BadSamples(40, STOPS, StopIteration), **kw)
+    got = asyncio.run(async_loops(shm, 4)) if path == "async" else loops(shm, 4)
+    if path == "unordered":  # where a loop ends depends on timing, in torch too
+        everything = sorted(b for loop in want for b in loop)
+        assert len(everything) == 8 and sorted(b for loop in got for b in loop) == everything
+        assert got[-1] == want[-1] == []
+    else:
+        assert [len(loop) for loop in want] == [1, 3, 4, 0]
+        assert got == want
+
+
+def test_a_datasets_stopiteration_says_what_torchs_says() -> None:
+    kw: dict[str, Any] = dict(batch_size=4, num_workers=2)
+    said_by = []
+    for make in (tud.DataLoader, shmloader.DataLoader):
+        it = iter(make(BadSamples(40, STOPS, StopIteration), **kw))
+        next(it)
+        with pytest.raises(StopIteration) as stop:
+            next(it)
+        said_by.append(said(stop.value))
+        assert next(it).flatten().tolist() == [8, 9, 10, 11]  # and goes on
+        stop.value.__traceback__ = None
+        del it
+    assert said_by[1] == said_by[0]
+    assert said_by[0][:2] == ("StopIteration", "Caught StopIteration in DataLoader worker process 1.")
+
+
 def test_a_collate_error_is_one_batch_too() -> None:
     def collate(batch: list[torch.Tensor]) -> torch.Tensor:
         if int(batch[0]) == 8:

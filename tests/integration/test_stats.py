@@ -4,6 +4,7 @@ end to end."""
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 import torch
@@ -16,13 +17,16 @@ from tests.datasets import Range, Sized
 def test_stats_count_batches_bytes_and_time() -> None:
     loader = shmloader.DataLoader(Range(40), batch_size=4, num_workers=2, persistent_workers=True)
     assert loader.stats().batches == 0 and loader.stats().ring is None
+    began = time.perf_counter()
     for _ in range(2):
         for batch in loader:
             pass
+    elapsed = time.perf_counter() - began
     s = loader.stats()
     assert s.batches == 20
     assert s.bytes == 40 * 8 * 2
-    assert s.wait_s > 0 and s.compute_s >= 0
+    assert s.wait_s > 0 and s.compute_s > 0
+    assert s.wait_s + s.compute_s <= elapsed  # each stretch of time counted once, as one or the other
     assert 0 < s.loader_bound <= 1
     assert s.copies == 0 and s.worker_restarts == 0
     assert len(s.worker_busy) == 2 and all(0 <= b <= 1 for b in s.worker_busy)
