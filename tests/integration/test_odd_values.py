@@ -106,6 +106,30 @@ def test_mixed_dtypes_are_promoted_not_truncated() -> None:
                        torch.tensor([[0], [2**40 + 1]]))
 
 
+@pytest.mark.parametrize("kind", ["requires grad", "conjugate view", "negative view"])
+def test_samples_torchs_workers_cannot_stack_arrive_as_in_the_main_process(kind: str) -> None:
+    # torch's workers stack into shared memory with out=, which refuses all three (a
+    # RuntimeError); default_collate in the main process stacks them. shmloader delivers that
+    # batch: the same values and flags, and a batch that requires grad is a leaf (no graph
+    # crosses processes).
+    def make(i: int) -> torch.Tensor:
+        t = torch.arange(12.0).reshape(3, 4) + i
+        if kind == "requires grad":
+            return t.requires_grad_()
+        z = torch.complex(t, -t).conj()
+        return z if kind == "conjugate view" else z.imag  # a conjugate's imag is a negative view
+
+    assert outcome(torch.utils.data.DataLoader(Samples(make), batch_size=2, num_workers=2)) is RuntimeError
+    with torch.no_grad():
+        theirs, ours = both(make)
+    assert isinstance(theirs, list) and ours == theirs
+    want = next(iter(torch.utils.data.DataLoader(Samples(make), batch_size=2)))
+    got = next(iter(shmloader.DataLoader(Samples(make), batch_size=2, num_workers=2)))
+    assert torch.equal(got.detach().resolve_conj().resolve_neg(), want.detach().resolve_conj().resolve_neg())
+    assert (got.requires_grad, got.is_conj(), got.is_neg()) == (want.requires_grad, want.is_conj(), want.is_neg())
+    assert got.is_leaf and got.grad_fn is None
+
+
 Point = __import__("collections").namedtuple("Point", "x y")
 ODD_VALUES: dict[str, Callable[[int], Any]] = {
     "0-d tensor": lambda i: torch.tensor(float(i)),
