@@ -933,15 +933,15 @@ class RingIterator(_BaseDataLoaderIter):
     def _failed(self, exc: BaseException) -> StopIteration | None:
         """``exc`` leaves ``next()``: one batch's error leaves the loader running; anything else
         stops the workers, and later ``next()`` calls say why. Returns the StopIteration to
-        raise instead when ``exc`` carries one (StopCarrier), else None (raise ``exc``)."""
-        stop = exc.stop if isinstance(exc, StopCarrier) else None
+        raise instead when ``exc`` is one batch's and carries one (StopCarrier), else None
+        (raise ``exc``)."""
         if self._raising_batch_error:
             self._raising_batch_error = False
-            return stop
+            return exc.stop if isinstance(exc, StopCarrier) else None
         if self._fatal is None:
-            self._fatal = exc if stop is None else stop
+            self._fatal = exc
         self._shutdown_workers()
-        return stop
+        return None  # (an error that ends the loader never ends a loop in silence)
 
     def _block(self, request: tuple[Any, ...]) -> None:
         began = time.perf_counter()

@@ -32,14 +32,15 @@ class MemoryBudgetError(ShmLoaderError, MemoryError):
     """``memory_budget`` cannot hold one slot per worker, or one batch beside the ring."""
 
 
-class StopCarrier(Exception):
+class StopCarrier(RuntimeError):
     """A worker's StopIteration (the dataset or collate_fn raised it) on its way out of
     ``next()``: inside the loader it passes generators, which would turn a StopIteration into
-    a RuntimeError (PEP 479). ``next()`` raises ``stop`` itself, as torch's loader does, so a
-    ``for`` loop ends there. Internal: never leaves the loader."""
+    a RuntimeError (PEP 479). For one batch's error ``next()`` raises ``stop`` itself, as
+    torch's loader does, so a ``for`` loop ends there; an error that ends the loader leaves as
+    this RuntimeError, which names it."""
 
     def __init__(self, stop: StopIteration) -> None:
-        super().__init__(stop)
+        super().__init__(f"a DataLoader worker raised StopIteration: {stop}")
         self.stop = stop
 
 

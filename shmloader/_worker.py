@@ -201,6 +201,16 @@ def _init(cfg: WorkerConfig) -> ExceptionWrapper | None:
     try:
         if cfg.worker_init_fn is not None:
             cfg.worker_init_fn(cfg.worker_id)
+    except StopIteration as exc:
+        # Said as what it was, in a RuntimeError: raised as itself from next(), it would end the
+        # caller's loop in silence, where a failed set-up ends the loader.
+        try:
+            raise RuntimeError(
+                f"worker_init_fn raised StopIteration in worker {cfg.worker_id}: a DataLoader worker's set-up "
+                "cannot end an epoch; raise another exception to report a failed set-up"
+            ) from exc
+        except RuntimeError:
+            return _wrap(where=where)
     except Exception:
         return _wrap(where=where)
     except (SystemExit, KeyboardInterrupt) as exc:

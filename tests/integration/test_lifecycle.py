@@ -256,6 +256,10 @@ def interrupt(worker_id: int) -> None:
     raise KeyboardInterrupt
 
 
+def stop_iteration(worker_id: int) -> None:
+    raise StopIteration("no shard for this worker")
+
+
 def hard_exit(worker_id: int) -> None:
     os._exit(3)
 
@@ -271,6 +275,8 @@ class ExitsAt5(Range):
     (exit_zero, RuntimeError, r"worker_init_fn raised SystemExit\(0\) \(sys.exit\?\) in worker \d: a DataLoader worker "
                               r"cannot exit on its own"),
     (interrupt, RuntimeError, r"worker_init_fn raised KeyboardInterrupt"),
+    (stop_iteration, RuntimeError, r"worker_init_fn raised StopIteration in worker \d: a DataLoader worker's set-up "
+                                   r"cannot end an epoch"),
     (hard_exit, shmloader.WorkerDiedError, r"exited with code 3 on its own \(sys.exit, os._exit or SystemExit"),
 ])
 def test_a_worker_init_fn_that_exits_is_said_as_such(init: Any, error: type[BaseException], message: str) -> None:
