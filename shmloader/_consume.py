@@ -79,6 +79,8 @@ class RingIterator(_BaseDataLoaderIter):
 
     def __init__(self, loader: Any) -> None:
         super().__init__(loader)
+        if not loader.prefetch_factor > 0:  # no task could ever be dispatched: next() would wait forever
+            raise AssertionError("prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter")  # torch's
         # Called with this iterator when it is collected (set by _checkpoint: its progress).
         self.last_words: Callable[[RingIterator], None] | None = None
         if loader._shm_resume_seed is not None:

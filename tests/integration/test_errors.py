@@ -266,3 +266,20 @@ def test_a_caught_batch_error_does_not_keep_the_loader_alive(persistent: bool) -
         assert not [c for c in multiprocessing.active_children() if c.name.startswith("shmloader-worker")]
     finally:
         gc.enable()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # torch's refused iterator's __del__
+def test_a_prefetch_factor_torch_refuses_is_refused_not_waited_on() -> None:
+    # torch's loader takes 0 (a negative one it refuses when built), and its iterator refuses it;
+    # a ring given no task would wait forever
+    said_by = []
+    for make in (tud.DataLoader, shmloader.DataLoader):
+        loader = make(BadSamples(8, ()), batch_size=2, num_workers=2, prefetch_factor=0)
+        with pytest.raises(AssertionError) as refused:
+            iter(loader)
+        said_by.append(str(refused.value))
+        with pytest.raises(ValueError, match="prefetch_factor option should be non-negative"):
+            make(BadSamples(8, ()), batch_size=2, num_workers=2, prefetch_factor=-1)
+    assert said_by[1] == said_by[0] == "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter"
+    with pytest.raises(AssertionError, match="prefetch_factor must be greater than 0"):
+        aiter(shmloader.DataLoader(BadSamples(8, ()), batch_size=2, num_workers=2, prefetch_factor=0))
