@@ -72,6 +72,9 @@ def has_state(dataset: Any) -> bool:
 
 
 def rng_state(generator: torch.Generator | None) -> torch.Tensor:
+    if generator is not None and not isinstance(generator, torch.Generator):
+        # torch's iterator fails on it too, with a TypeError from random_(generator=...)
+        raise TypeError(f"DataLoader's generator must be a torch.Generator or None, not {type(generator).__name__}")
     return generator.get_state() if generator is not None else torch.get_rng_state()
 
 

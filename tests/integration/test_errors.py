@@ -283,3 +283,13 @@ def test_a_prefetch_factor_torch_refuses_is_refused_not_waited_on() -> None:
     assert said_by[1] == said_by[0] == "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter"
     with pytest.raises(AssertionError, match="prefetch_factor must be greater than 0"):
         aiter(shmloader.DataLoader(BadSamples(8, ()), batch_size=2, num_workers=2, prefetch_factor=0))
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # torch's refused iterator's __del__
+def test_a_generator_that_is_not_one_is_a_type_error_like_torchs() -> None:
+    for make in (tud.DataLoader, shmloader.DataLoader):
+        loader = make(BadSamples(8, ()), batch_size=2, shuffle=True, num_workers=2, generator=3)
+        with pytest.raises(TypeError):
+            next(iter(loader))
+    with pytest.raises(TypeError, match="generator must be a torch.Generator or None, not int"):
+        next(iter(shmloader.DataLoader(BadSamples(8, ()), batch_size=2, shuffle=True, num_workers=2, generator=3)))
