@@ -201,29 +201,22 @@ def _init(cfg: WorkerConfig) -> ExceptionWrapper | None:
     try:
         if cfg.worker_init_fn is not None:
             cfg.worker_init_fn(cfg.worker_id)
-    except StopIteration as exc:
-        # Said as what it was, in a RuntimeError: raised as itself from next(), it would end the
-        # caller's loop in silence, where a failed set-up ends the loader.
+    except (StopIteration, SystemExit, KeyboardInterrupt) as exc:
+        # Said as what it was, in a RuntimeError: raised as itself from next() it would end the
+        # caller's loop in silence (StopIteration), end the main process (SystemExit) or pose as
+        # Ctrl-C, where a failed set-up ends the loader.
+        if isinstance(exc, StopIteration):
+            what = "StopIteration", "a DataLoader worker's set-up cannot end an epoch"
+        else:
+            code = f"({exc.code!r})" if isinstance(exc, SystemExit) else ""
+            what = f"{type(exc).__name__}{code} (sys.exit?)", "a DataLoader worker cannot exit on its own"
         try:
-            raise RuntimeError(
-                f"worker_init_fn raised StopIteration in worker {cfg.worker_id}: a DataLoader worker's set-up "
-                "cannot end an epoch; raise another exception to report a failed set-up"
-            ) from exc
+            raise RuntimeError(f"worker_init_fn raised {what[0]} in worker {cfg.worker_id}: {what[1]}; raise "
+                               "an exception to report a failed set-up") from exc
         except RuntimeError:
             return _wrap(where=where)
     except Exception:
         return _wrap(where=where)
-    except (SystemExit, KeyboardInterrupt) as exc:
-        # Said as what it was, in a RuntimeError: re-raised as itself it would end the main
-        # process (SystemExit) or pose as Ctrl-C.
-        try:
-            code = f"({exc.code!r})" if isinstance(exc, SystemExit) else ""
-            raise RuntimeError(
-                f"worker_init_fn raised {type(exc).__name__}{code} (sys.exit?) in worker {cfg.worker_id}: a "
-                "DataLoader worker cannot exit on its own; raise an exception to report a failed set-up"
-            ) from exc
-        except RuntimeError:
-            return _wrap(where=where)
     return None
 
 
