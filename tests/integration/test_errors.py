@@ -149,6 +149,19 @@ def test_a_datasets_stopiteration_ends_the_loop_like_torch(path: str, workers: i
         assert got == want
 
 
+def stop_at_8(batch: list[torch.Tensor]) -> torch.Tensor:
+    if int(batch[0]) == 8:
+        raise StopIteration("no batch of 8")
+    return torch.cat(batch)
+
+
+def test_a_collate_fns_stopiteration_ends_the_loop_like_torch() -> None:
+    kw: dict[str, Any] = dict(batch_size=4, num_workers=2, collate_fn=stop_at_8)
+    want = loops(tud.DataLoader(BadSamples(20, ()), **kw), 3)
+    assert [len(loop) for loop in want] == [2, 2, 0]
+    assert loops(shmloader.DataLoader(BadSamples(20, ()), **kw), 3) == want
+
+
 def test_a_datasets_stopiteration_says_what_torchs_says() -> None:
     kw: dict[str, Any] = dict(batch_size=4, num_workers=2)
     said_by = []
