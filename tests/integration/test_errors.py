@@ -17,7 +17,7 @@ import torch
 import torch.utils.data as tud
 
 import shmloader
-from tests.datasets import BadBatches, BadSamples, BadStream
+from tests.datasets import BadBatches, BadSamples, BadStream, Tokens, pad_collate
 
 BAD = (3, 17, 18, 40, 63)  # 17 and 18 fall in one batch of 4
 
@@ -160,6 +160,26 @@ def test_a_collate_fns_stopiteration_ends_the_loop_like_torch() -> None:
     want = loops(tud.DataLoader(BadSamples(20, ()), **kw), 3)
     assert [len(loop) for loop in want] == [2, 2, 0]
     assert loops(shmloader.DataLoader(BadSamples(20, ()), **kw), 3) == want
+
+
+def pad_or_stop(batch: list[tuple[torch.Tensor, str]]) -> dict[str, Any]:
+    if any(int(t[0]) == 37 for t, _ in batch):
+        raise StopIteration("sample 37's batch")
+    return pad_collate(batch)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_stopiteration_in_a_dynamic_padding_job_ends_the_loop_like_torch(persistent: bool) -> None:
+    # variable-size dict batches (the general read path) around the batch that stops, shuffled
+    def loops_of(make: Any) -> list[list[tuple[list[list[int]], list[int]]]]:
+        loader = make(Tokens(96), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(11),
+                      num_workers=2, persistent_workers=persistent, collate_fn=pad_or_stop)
+        it = iter(loader)
+        return [[(b["input_ids"].tolist(), [len(t) for t in b["text"]]) for b in it] for _ in range(3)]
+
+    want = loops_of(tud.DataLoader)
+    assert len(want[0]) + len(want[1]) == 11 and want[2] == []
+    assert loops_of(shmloader.DataLoader) == want
 
 
 def test_a_datasets_stopiteration_says_what_torchs_says() -> None:
