@@ -43,6 +43,10 @@ from ._layout import RESIZE_TASK, Counter, Region, RingGeometry, Status
 from ._ring import AttachedRing
 
 _ONE = struct.pack("=Q", 1)
+_sched_yield = os.sched_yield
+# A batch that took longer than this gives the CPU away once it is published (_serve). Small
+# batches don't: their worker soon waits for its next task, which frees the CPU anyway.
+LONG_BATCH_NS = 200_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -525,9 +529,17 @@ def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: _Producer, mailbox: 
             outcome, init_error = Outcome(Status.INIT_ERROR, error=init_error), None
         else:
             outcome, batch = producer.produce(epoch, index, writer, fn_map)
+        spent = time.monotonic_ns() - began
         counters = ring.counters[cfg.worker_id]
-        counters[_BUSY_NS] += time.monotonic_ns() - began
+        counters[_BUSY_NS] += spent
         counters[_BATCHES] += 1
         if not _deliver(ring, slot, cfg, writer, outcome, batch, producer.dataset_state, epoch, seq, mailbox, doorbell):
             return
         del batch
+        if spent > LONG_BATCH_NS:
+            # A sync next() waiting for a batch yields its CPU rather than sleeping (_consume's
+            # _yield_for_ready), so when every CPU runs a worker it waits in a run queue behind
+            # one until that worker's time slice ends: milliseconds, when batches take that
+            # long, while the next tasks wait for it to take this batch. Sharing its run queue,
+            # this worker hands it the CPU now; alone, the call returns at once (< 1 µs).
+            _sched_yield()
