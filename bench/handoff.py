@@ -93,6 +93,7 @@ def main() -> None:
             loader = shmloader.DataLoader(ds, num_workers=2, prefetch_factor=2, persistent_workers=True, **kw)
             for _ in loader:  # the warm-up epoch forks the workers
                 pass
+            _ = None
             loaders.append(loader)
         _worker.LONG_BATCH_NS = shipped
         rates: list[list[float]] = [[], []]
@@ -105,6 +106,7 @@ def main() -> None:
                 for _ in loaders[which]:
                     k += 1
                 rates[which].append(k / (time.perf_counter() - began))
+                _ = None  # the last batch would hold its slot into the loader's next epoch
         for which, label in enumerate(("yield", "no-yield")):
             counters = loaders[which]._iterator._ring.counters
             parts = []
