@@ -43,7 +43,6 @@ from ._layout import RESIZE_TASK, Counter, Region, RingGeometry, Status
 from ._ring import AttachedRing
 
 _ONE = struct.pack("=Q", 1)
-_sched_yield = os.sched_yield
 # A batch that took longer than this gives the CPU away once it is published (_serve). Small
 # batches don't: their worker soon waits for its next task, which frees the CPU anyway.
 LONG_BATCH_NS = 200_000
@@ -542,4 +541,4 @@ def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: _Producer, mailbox: 
             # one until that worker's time slice ends: milliseconds, when batches take that
             # long, while the next tasks wait for it to take this batch. Sharing its run queue,
             # this worker hands it the CPU now; alone, the call returns at once (< 1 µs).
-            _sched_yield()
+            os.sched_yield()
