@@ -5,7 +5,8 @@ persistent), alternated epoch by epoch in one process, each round starting with 
 - ``ring``: limit_probe's ``Ring`` (its main process sleeps on the ready semaphore at once);
 - ``shipped``: ``shmloader.DataLoader`` as it is (``sched_yield`` and look again, a bounded
   number of times, then sleep: ``RingIterator._yield_for_ready``);
-- ``sleep``: the same loader whose iterator skips the yields and sleeps at once.
+- ``sleep``: the same loader whose iterator skips the yields and sleeps at once;
+- ``yieldsN``: the shipped policy with N in place of MAX_YIELDS (``yields0`` is ``sleep``).
 
 Per variant: the median batches/s and the median of each round's ratio to the first variant;
 then, per batch, the wall time, the workers' CPU (user + system from ``/proc``, of the two
@@ -33,12 +34,26 @@ from handoff import lp  # noqa: E402
 
 import shmloader  # noqa: E402
 from shmloader import _ring  # noqa: E402
-from shmloader._consume import RingIterator  # noqa: E402
+from shmloader._consume import MIN_YIELDS, RingIterator  # noqa: E402
 from shmloader._layout import Counter  # noqa: E402
 
 
-def _sleep_at_once(self: RingIterator) -> bool:
-    return False  # no yields: the caller sleeps on the ready semaphore
+def _bounded(most: int) -> Any:
+    """``RingIterator._yield_for_ready`` with ``most`` in place of MAX_YIELDS (0: sleep at once)."""
+
+    def yield_for_ready(self: RingIterator) -> bool:
+        assert self._ring is not None
+        bound = min(self._yields, most)
+        for _ in range(bound):
+            os.sched_yield()
+            if self._ring.take_ready(0):
+                self._banked += 1
+                self._yields = most
+                return True
+        self._yields = max(min(MIN_YIELDS, most), bound // 2)
+        return False
+
+    return yield_for_ready
 
 
 def _cpu_s(pid: int) -> float:
@@ -48,21 +63,22 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _loader(ds: Any, kw: dict[str, Any], which: int, sleep: bool) -> Any:
+def _loader(ds: Any, kw: dict[str, Any], which: int, variant: str) -> Any:
     handoff._LOADER[0] = which  # the forked workers' rows of the task-wait accumulator
     loader = shmloader.DataLoader(ds, num_workers=2, prefetch_factor=2, persistent_workers=True, **kw)
     for _ in loader:  # the warm-up epoch forks the workers and sizes the ring
         pass
     _ = None  # the last batch would hold its slot
-    if sleep:
+    if variant != "shipped":
+        most = 0 if variant == "sleep" else int(variant.removeprefix("yields"))
         it = loader._iterator
-        it._yield_for_ready = types.MethodType(_sleep_at_once, it)
+        it._yield_for_ready = types.MethodType(_bounded(most), it)
     return loader
 
 
 def run(name: str, rounds: int, variants: list[str]) -> None:
     ds, kw = handoff.dataset(name)
-    loaders = {v: _loader(ds, kw, i, v == "sleep") for i, v in enumerate(x for x in variants if x != "ring")}
+    loaders = {v: _loader(ds, kw, i, v) for i, v in enumerate(x for x in variants if x != "ring")}
     ring = None
     if "ring" in variants:
         shape, dtype, bs, _n = lp.WORK[name]
