@@ -34,24 +34,24 @@ from handoff import lp  # noqa: E402
 
 import shmloader  # noqa: E402
 from shmloader import _ring  # noqa: E402
-from shmloader._consume import MIN_YIELDS, RingIterator  # noqa: E402
+from shmloader import _consume  # noqa: E402
+from shmloader._consume import RingIterator  # noqa: E402
 from shmloader._layout import Counter  # noqa: E402
 
 
 def _bounded(most: int) -> Any:
-    """``RingIterator._yield_for_ready`` with ``most`` in place of MAX_YIELDS (0: sleep at once)."""
+    """``RingIterator._yield_for_ready`` as shipped, run with ``most`` in place of MAX_YIELDS
+    (0: sleep at once); the module's bounds are swapped in for the call (a few hundred ns)."""
+    shipped = RingIterator._yield_for_ready
 
     def yield_for_ready(self: RingIterator) -> bool:
-        assert self._ring is not None
-        bound = min(self._yields, most)
-        for _ in range(bound):
-            os.sched_yield()
-            if self._ring.take_ready(0):
-                self._banked += 1
-                self._yields = most
-                return True
-        self._yields = max(min(MIN_YIELDS, most), bound // 2)
-        return False
+        self._yields = min(self._yields, most)
+        saved = _consume.MAX_YIELDS, _consume.MIN_YIELDS
+        _consume.MAX_YIELDS, _consume.MIN_YIELDS = most, min(saved[1], most)
+        try:
+            return shipped(self)
+        finally:
+            _consume.MAX_YIELDS, _consume.MIN_YIELDS = saved
 
     return yield_for_ready
 
