@@ -20,7 +20,6 @@ Usage: python bench/wait_policy.py image [tokens ...] [--rounds 12] [--variants 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -33,9 +32,9 @@ import handoff  # noqa: E402
 from handoff import lp  # noqa: E402
 
 import shmloader  # noqa: E402
-from shmloader import _ring  # noqa: E402
-from shmloader import _consume  # noqa: E402
+from shmloader import _consume, _ring  # noqa: E402
 from shmloader._consume import RingIterator  # noqa: E402
+from shmloader._bench.measure import cpu_seconds  # noqa: E402
 from shmloader._layout import Counter  # noqa: E402
 
 
@@ -54,13 +53,6 @@ def _bounded(most: int) -> Any:
             _consume.MAX_YIELDS, _consume.MIN_YIELDS = saved
 
     return yield_for_ready
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid``."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _loader(ds: Any, kw: dict[str, Any], which: int, variant: str) -> Any:
@@ -95,7 +87,7 @@ def run(name: str, rounds: int, variants: list[str]) -> None:
     try:
         for r in range(rounds):
             for v in variants[r % len(variants):] + variants[: r % len(variants)]:
-                cpu0, main0 = sum(map(_cpu_s, pids[v])), time.thread_time()
+                cpu0, main0 = cpu_seconds(pids[v]), time.thread_time()
                 began, k = time.perf_counter(), 0
                 for _ in ring.epoch() if v == "ring" else loaders[v]:  # type: ignore[union-attr]
                     k += 1
@@ -103,7 +95,7 @@ def run(name: str, rounds: int, variants: list[str]) -> None:
                 spent = time.perf_counter() - began
                 rates[v].append(k / spent)
                 wall[v] += spent
-                workers[v] += sum(map(_cpu_s, pids[v])) - cpu0
+                workers[v] += cpu_seconds(pids[v]) - cpu0
                 main[v] += time.thread_time() - main0
                 batches[v] += k
         base = variants[0]
