@@ -30,6 +30,7 @@ from torch.utils.data import Dataset
 import shmloader
 from placement import place
 from shmloader import _collate, _consume, _dispatch, _lease, _native, _ring, _stats, _worker
+from shmloader._bench.measure import cpu_seconds
 
 WORK = {"tiny": ((16,), torch.float32, 32), "tokens": ((512,), torch.int64, 64), "image": ((3, 224, 224), torch.uint8, 128)}
 
@@ -112,11 +113,6 @@ def wrapper_ns() -> float:
     return total / n - 60  # the bare call and loop, roughly
 
 
-def cpu_s(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def run(name: str, batches: int, profile: bool, pin: bool = False) -> tuple[float, float, float, Acc, list[Acc]]:
     shape, dtype, bs = WORK[name]
     acc: Acc = {}
@@ -147,12 +143,12 @@ def run(name: str, batches: int, profile: bool, pin: bool = False) -> tuple[floa
     pids = [p.pid for p in it._pool.procs]
     if pin:
         place("apart", pids)
-    workers_before = sum(cpu_s(p) for p in pids)
+    workers_before = cpu_seconds(pids)
     began, cpu = time.perf_counter(), time.thread_time()
     for _ in loader:
         pass
     wall, main_cpu = time.perf_counter() - began, time.thread_time() - cpu
-    workers_cpu = sum(cpu_s(p) for p in pids) - workers_before
+    workers_cpu = cpu_seconds(pids) - workers_before
     it._shutdown_workers()
     if pin:
         place("free", [])

@@ -18,6 +18,7 @@
 #include <semaphore.h>
 #include <stdint.h>
 #include <string.h>
+#include <sched.h>
 #include <time.h>
 
 #define SEM_STRIDE 64 /* bytes reserved per semaphore in the control area */
@@ -137,6 +138,31 @@ static PyObject *py_sem_wait(PyObject *self, PyObject *const *args, Py_ssize_t n
     PyBuffer_Release(&view);
     if (taken < 0) return NULL;
     return PyBool_FromLong(taken);
+}
+
+PyDoc_STRVAR(yield_wait_doc,
+"yield_wait($module, buffer, offset, bound, /)\n--\n\n"
+"Give the CPU away (sched_yield) and try for a token of the semaphore at buffer[offset], up to\n"
+"bound times, with the GIL released. Returns how many yields it took to get one (1..bound),\n"
+"or 0 when none came (the caller then sleeps on the semaphore).");
+
+static PyObject *py_yield_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t offset, bound, took = 0;
+    Py_buffer view;
+    if (!nargs_is("yield_wait", nargs, 3) || !as_ssize(args[1], &offset) || !as_ssize(args[2], &bound)) return NULL;
+    char *p = at(args[0], &view, offset, SEM_STRIDE, 8);
+    if (p == NULL) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 1; i <= bound; i++) {
+        sched_yield();
+        if (sem_trywait((sem_t *)p) == 0) {
+            took = i;
+            break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    return PyLong_FromSsize_t(took);
 }
 
 PyDoc_STRVAR(load_acquire_doc,
@@ -526,6 +552,7 @@ PyMethodDef shmloader_sync_methods[] = {
     {"sem_init", (PyCFunction)(void (*)(void))py_sem_init, METH_FASTCALL, sem_init_doc},
     {"sem_post", (PyCFunction)(void (*)(void))py_sem_post, METH_FASTCALL, sem_post_doc},
     {"sem_wait", (PyCFunction)(void (*)(void))py_sem_wait, METH_FASTCALL, sem_wait_doc},
+    {"yield_wait", (PyCFunction)(void (*)(void))py_yield_wait, METH_FASTCALL, yield_wait_doc},
     {"load_acquire", (PyCFunction)(void (*)(void))py_load_acquire, METH_FASTCALL, load_acquire_doc},
     {"store_release", (PyCFunction)(void (*)(void))py_store_release, METH_FASTCALL, store_release_doc},
     {NULL, NULL, 0, NULL},

@@ -66,7 +66,7 @@ PARENT_CHECK_S = 0.5  # how often an idle worker checks that this process lives
 _STEADY = (SlotState.FREE, SlotState.IN_FLIGHT, SlotState.READY, SlotState.LENT, DONE, int(Status.OK),
            int(Status.NEED_MEMORY), int(Region.PIPE), Field.STATE, Field.STATUS, Field.REGION, Field.R_EPOCH,
            Field.R_SEQ, N_FIELDS)
-_GENERAL = -2
+_NOT_READY, _GENERAL = -1, -2  # steady_take's answers other than a slot
 _DISPATCH = (SlotState.FREE, SlotState.IN_FLIGHT, Task)  # what _native.dispatch_next needs of the slot table
 _END = object()
 _GROW = object()  # the ring must grow before anything else is dispatched
@@ -850,8 +850,8 @@ class RingIterator(_BaseDataLoaderIter):
             self._count_yield()
             return data
         # The steady state's common case in one frame: _next_data and _steady (their accounting,
-        # take, dispatch and lend_lone) without the calls between them. What it does not finish
-        # (no batch ready yet, anything out of the ordinary) _next_data does, from where it stopped.
+        # take, dispatch, waits and lend_lone) without the calls between them. What it does not
+        # finish (anything out of the ordinary) _next_data does, from where it stopped.
         asked = time.perf_counter()
         table = self._table
         leases = self._leases
@@ -859,18 +859,27 @@ class RingIterator(_BaseDataLoaderIter):
         assert ring is not None
         if leases.released or table.waiting_count or self._grow_to is not None:
             return self._next_general(asked)
+        counters = self._counters
         try:
-            slot, self._banked, gone = _native.steady_take(
-                ring.mm, ring.ready_sem, ring.header_offsets, self._banked, table.tasks, table.state, table.ready,
-                table.load, table.free, leases.bases, table.epoch, self._rcvd_seq, _STEADY)
-            table.outstanding -= gone
+            while True:
+                slot, self._banked, gone = _native.steady_take(
+                    ring.mm, ring.ready_sem, ring.header_offsets, self._banked, table.tasks, table.state,
+                    table.ready, table.load, table.free, leases.bases, table.epoch, self._rcvd_seq, _STEADY)
+                table.outstanding -= gone
+                if slot != _NOT_READY:
+                    break
+                # Nothing ready in order yet: _steady's loop (dispatch, then wait), here. What it
+                # hands to _round (the epoch ends; leases, overflow, growth) _next_data does.
+                self._dispatch()
+                if self._grow_to is not None or leases.released or self._sampler_done and not table.outstanding:
+                    break
+                self._block(_READY)
         except BaseException as exc:
             if (instead := self._failed(exc)) is not None:
                 raise instead from None  # a worker's StopIteration ends the loop, as in torch's loader
             raise
         if slot < 0:
             return self._next_general(asked)
-        counters = self._counters
         counters.requested(asked)
         try:
             self._awaiting_room = False
@@ -973,14 +982,13 @@ class RingIterator(_BaseDataLoaderIter):
         another CPU need not wake this process from a sleep (on a VM an IPI to a halted vCPU
         costs a VM exit: tens of µs). The bound is MAX_YIELDS after a success and halves after
         each failure (down to MIN_YIELDS), so a loop whose batches take long barely yields."""
-        assert self._ring is not None
+        ring = self._ring
+        assert ring is not None
         bound = self._yields
-        for _ in range(bound):
-            os.sched_yield()
-            if self._ring.take_ready(0):
-                self._banked += 1
-                self._yields = MAX_YIELDS
-                return True
+        if _native.yield_wait(ring.mm, ring.ready_sem, bound):
+            self._banked += 1
+            self._yields = MAX_YIELDS
+            return True
         self._yields = max(MIN_YIELDS, bound // 2)
         return False
 

@@ -3,26 +3,27 @@ before it sleeps (README, "async for" section)."""
 
 from __future__ import annotations
 
+import mmap
 from typing import Any
 
+from shmloader import _native
 from shmloader._consume import MAX_YIELDS, MIN_YIELDS, RingIterator
 
+SEM = 64  # the ready semaphore's offset in the test's buffer
 
-class Ready:
-    """A ready semaphore that gets a token after ``after`` looks (never, if None)."""
 
-    def __init__(self, after: int | None) -> None:
-        self.after, self.looks = after, 0
+class Ring:
+    """The ready semaphore where RingIterator._yield_for_ready looks for it."""
 
-    def take_ready(self, timeout: float) -> bool:
-        assert timeout == 0  # the yield loop never waits on the semaphore itself
-        self.looks += 1
-        return self.after is not None and self.looks >= self.after
+    def __init__(self) -> None:
+        self.mm = mmap.mmap(-1, 4096)
+        self.ready_sem = SEM
+        _native.sem_init(self.mm, SEM)
 
 
 class Consumer:
-    def __init__(self, ring: Ready) -> None:
-        self._ring: Any = ring
+    def __init__(self) -> None:
+        self._ring: Any = Ring()
         self._yields = MAX_YIELDS
         self._banked = 0
 
@@ -32,18 +33,23 @@ def look(consumer: Consumer) -> bool:
 
 
 def test_misses_halve_the_bound_down_to_its_floor_and_a_hit_restores_it() -> None:
-    c = Consumer(Ready(None))
+    c = Consumer()
     bounds = []
     for _ in range(6):
-        c._ring.looks = 0
+        bounds.append(c._yields)
         assert not look(c) and c._banked == 0
-        bounds.append(c._ring.looks)
     assert bounds == [64, 32, 16, 8, 4, 4] and (MAX_YIELDS, MIN_YIELDS) == (64, 4)
-    c._ring = Ready(3)
-    assert look(c) and c._banked == 1 and c._ring.looks == 3  # the token is banked for _collect
+    _native.sem_post(c._ring.mm, SEM)
+    _native.sem_post(c._ring.mm, SEM)
+    assert look(c) and c._banked == 1  # one token taken and banked for _collect...
     assert c._yields == MAX_YIELDS
+    assert _native.sem_wait(c._ring.mm, SEM, 0) and not _native.sem_wait(c._ring.mm, SEM, 0)  # ...the other left
 
 
-def test_a_token_after_the_bound_is_left_to_the_sleeping_wait() -> None:
-    c = Consumer(Ready(MAX_YIELDS + 1))
-    assert not look(c) and c._ring.looks == MAX_YIELDS and c._banked == 0
+def test_yield_wait_says_how_many_yields_it_took_and_takes_one_token() -> None:
+    ring = Ring()
+    assert _native.yield_wait(ring.mm, SEM, 5) == 0  # none came within the bound
+    _native.sem_post(ring.mm, SEM)
+    assert _native.yield_wait(ring.mm, SEM, 0) == 0  # a bound of 0 does not look: the token stays
+    assert _native.yield_wait(ring.mm, SEM, 5) == 1
+    assert _native.yield_wait(ring.mm, SEM, 5) == 0
