@@ -15,10 +15,10 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <sched.h>
 #include <semaphore.h>
 #include <stdint.h>
 #include <string.h>
-#include <sched.h>
 #include <time.h>
 
 #define SEM_STRIDE 64 /* bytes reserved per semaphore in the control area */
