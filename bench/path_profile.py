@@ -36,7 +36,7 @@ WORK = {"tiny": ((16,), torch.float32, 32), "tokens": ((512,), torch.int64, 64),
 
 # (owner, attribute, label): the main process's steps, then the workers'.
 MAIN_STEPS = [
-    (_consume.RingIterator, "_next_data", "next(): the whole call"),
+    (_consume.RingIterator, "__next__", "next(): the whole call"),
     (_native, "steady_take", "steady state: returned slots, collect, take (one native call)"),
     (_consume.RingIterator, "_collect", "collect published slots (general path)"),
     (_native, "dispatch_next", "in order: worker, next index, dispatch, task write + post (one native call; wakes the worker)"),
