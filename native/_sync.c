@@ -155,6 +155,8 @@ static PyObject *py_yield_wait(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 1; i <= bound; i++) {
         sched_yield();
+        /* (a failure other than EAGAIN, which the GIL-less loop cannot raise, shows in the
+           sem_wait the caller goes on to) */
         if (sem_trywait((sem_t *)p) == 0) {
             took = i;
             break;

@@ -297,14 +297,21 @@ class RingIterator(_BaseDataLoaderIter):
             table.outstanding -= gone
             if slot >= 0:
                 return self._hand_out(slot)
-            if slot == _GENERAL:
-                return self._round()  # (a round ran last whenever the general path waits)
-            self._dispatch()
-            if self._grow_to is not None or leases.released:
+            if slot == _GENERAL or not self._dispatch_and_wait():
+                # a slot for the general path, or a case of the round's (a round ran last
+                # whenever the general path waits)
                 return self._round()
-            if self._sampler_done and not table.outstanding:
-                return self._round()  # the epoch ends: the round says so
-            self._block(_READY)  # as the general path waits: yields, then workers and timeout checked, then sleep
+
+    def _dispatch_and_wait(self) -> bool:
+        """No batch ready in order yet (steady state): dispatch what the free slots allow, then
+        wait as the general path does (yields, then workers and timeout checked, then sleep).
+        False, without waiting, when a round must run instead: the epoch ends (the round says
+        so), a slot was released early, or the ring must grow."""
+        self._dispatch()
+        if self._grow_to is not None or self._leases.released or self._sampler_done and not self._table.outstanding:
+            return False
+        self._block(_READY)
+        return True
 
     def _hand_out(self, slot: int) -> Any:
         """The batch of ``slot``, just taken in order: the next task dispatched (the batch left
@@ -859,27 +866,23 @@ class RingIterator(_BaseDataLoaderIter):
         assert ring is not None
         if leases.released or table.waiting_count or self._grow_to is not None:
             return self._next_general(asked)
-        counters = self._counters
         try:
             while True:
                 slot, self._banked, gone = _native.steady_take(
                     ring.mm, ring.ready_sem, ring.header_offsets, self._banked, table.tasks, table.state,
                     table.ready, table.load, table.free, leases.bases, table.epoch, self._rcvd_seq, _STEADY)
                 table.outstanding -= gone
-                if slot != _NOT_READY:
+                # Nothing ready in order yet: _steady's wait, here. What it hands to _round
+                # _next_data does.
+                if slot != _NOT_READY or not self._dispatch_and_wait():
                     break
-                # Nothing ready in order yet: _steady's loop (dispatch, then wait), here. What it
-                # hands to _round (the epoch ends; leases, overflow, growth) _next_data does.
-                self._dispatch()
-                if self._grow_to is not None or leases.released or self._sampler_done and not table.outstanding:
-                    break
-                self._block(_READY)
         except BaseException as exc:
             if (instead := self._failed(exc)) is not None:
                 raise instead from None  # a worker's StopIteration ends the loop, as in torch's loader
             raise
         if slot < 0:
             return self._next_general(asked)
+        counters = self._counters
         counters.requested(asked)
         try:
             self._awaiting_room = False
