@@ -278,10 +278,10 @@ class RingIterator(_BaseDataLoaderIter):
         return None
 
     def _steady(self) -> Any:
-        """``next()`` in order, without a device, nothing pending: until the batch is in, one
-        native call (``_native.steady_take``: returned slots back, published slots collected,
-        the next batch taken, the slot table's own transitions), the dispatch, and the waits,
-        in one frame. Anything out of the ordinary goes to ``_round``, whose result this
+        """``next()`` in order, without a device, nothing pending: one native call
+        (``_native.steady_take``: returned slots back, published slots collected, the next batch
+        taken, the slot table's own transitions), then ``_dispatch_and_wait`` and again until
+        the batch is in. Anything out of the ordinary goes to ``_round``, whose result this
         returns; None means a round found nothing ready (the general path waits next)."""
         table = self._table
         leases = self._leases
@@ -857,8 +857,9 @@ class RingIterator(_BaseDataLoaderIter):
             self._count_yield()
             return data
         # The steady state's common case in one frame: _next_data and _steady (their accounting,
-        # take, dispatch, waits and lend_lone) without the calls between them. What it does not
-        # finish (anything out of the ordinary) _next_data does, from where it stopped.
+        # take, dispatch and lend_lone; the waits are _dispatch_and_wait's) without the calls
+        # between them. What it does not finish (anything out of the ordinary) _next_data does,
+        # from where it stopped.
         asked = time.perf_counter()
         table = self._table
         leases = self._leases
@@ -872,8 +873,8 @@ class RingIterator(_BaseDataLoaderIter):
                     ring.mm, ring.ready_sem, ring.header_offsets, self._banked, table.tasks, table.state,
                     table.ready, table.load, table.free, leases.bases, table.epoch, self._rcvd_seq, _STEADY)
                 table.outstanding -= gone
-                # Nothing ready in order yet: _steady's wait, here. What it hands to _round
-                # _next_data does.
+                # A slot taken, or one for the general path: done here. Nothing ready in order
+                # yet: wait as _steady does, then look again (a round's case: _next_data's).
                 if slot != _NOT_READY or not self._dispatch_and_wait():
                     break
         except BaseException as exc:
@@ -984,7 +985,8 @@ class RingIterator(_BaseDataLoaderIter):
         again, a bounded number of times. A worker that shares this CPU runs at once; one on
         another CPU need not wake this process from a sleep (on a VM an IPI to a halted vCPU
         costs a VM exit: tens of µs). The bound is MAX_YIELDS after a success and halves after
-        each failure (down to MIN_YIELDS), so a loop whose batches take long barely yields."""
+        each failure (down to MIN_YIELDS), so a loop whose batches take long barely yields.
+        The yields and looks are one native call (``_native.yield_wait``, the GIL released)."""
         ring = self._ring
         assert ring is not None
         bound = self._yields
