@@ -474,7 +474,9 @@ PyDoc_STRVAR(take_task_doc,
 "is negative (stop, attach to a grown ring); otherwise (slot, epoch, seq, index), read from\n"
 "the slot's header at buffer[headers[slot]] and its data region at buffer[data[slot]] of `cap`\n"
 "bytes: index is the list of ints of a TASK_LEN of -2 - n, the pickled bytes of a TASK_LEN >= 0,\n"
-"None for -1 (the index comes over the worker's connection). Lengths are clamped to `cap`.");
+"None for -1 (the index comes over the worker's connection). Lengths are clamped to `cap`.\n"
+"A negative `timeout` says the caller already holds the token (yield_wait took it): the entry\n"
+"is read at once.");
 
 static PyObject *py_take_task(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_ssize_t sem_off, entry, cap;
@@ -496,7 +498,7 @@ static PyObject *py_take_task(PyObject *self, PyObject *const *args, Py_ssize_t 
         PyErr_SetString(PyExc_ValueError, "take_task: an offset lies outside the buffer or is misaligned");
         goto release;
     }
-    int taken = wait_token((sem_t *)sem, timeout);
+    int taken = timeout < 0 ? 1 : wait_token((sem_t *)sem, timeout);
     if (taken <= 0) {
         if (taken == 0) result = Py_NewRef(Py_None);
         goto release;

@@ -22,6 +22,8 @@ from ._layout import DONE, N_COUNTERS, N_FIELDS, RingGeometry, Field
 
 # What Ring.post_task (and _native.post_task) returns.
 POSTED, DOES_NOT_FIT, NOT_INTS = 1, 0, -1
+# sched_yield()s a worker tries before it sleeps for a task (AttachedRing.take_task)
+TASK_YIELDS, MIN_TASK_YIELDS = 64, 4
 
 
 class _Views:
@@ -146,6 +148,7 @@ class AttachedRing(_Views):
         self.worker_id = worker_id
         self._task_sem, self._queue = self.task_sems[worker_id], self.queue_offsets[worker_id]
         self._head = 0
+        self._yields = TASK_YIELDS  # the current bound of take_task's yields
 
     @classmethod
     def by_fd(cls, geometry: RingGeometry, fd: int, worker_id: int) -> AttachedRing:
@@ -163,10 +166,29 @@ class AttachedRing(_Views):
                                     DONE, self.ready_sem, self.doorbell_flag))
 
     def take_task(self, timeout: float) -> None | int | tuple[int, int, int, Any]:
-        """The next task queued for this worker, in one native call: (slot, epoch, seq, index),
-        where index is the batch sampler's list of ints, the pickled index's bytes, or None (it
-        comes over the connection: ``Field.TASK_LEN``); a negative queue entry (STOP_TASK,
-        RESIZE_TASK) as it is; None when nothing came within ``timeout`` s."""
+        """The next task queued for this worker: (slot, epoch, seq, index), where index is the
+        batch sampler's list of ints, the pickled index's bytes, or None (it comes over the
+        connection: ``Field.TASK_LEN``); a negative queue entry (STOP_TASK, RESIZE_TASK) as it
+        is; None when nothing came within ``timeout`` s.
+
+        When no task is queued yet and ``timeout`` is positive, the worker first gives its CPU
+        away (``sched_yield``) and looks again, a bounded number of times, before it sleeps, as
+        a sync ``next()`` does for a batch (``_consume``'s ``_yield_for_ready``). A worker that
+        sleeps must be woken by the main process's post, and on a VM that wake-up (an IPI to a
+        halted vCPU) costs the main process 5-14 µs: most of a small batch's cost to it. The
+        bound is TASK_YIELDS after a task came while yielding and halves after each miss, down
+        to MIN_TASK_YIELDS, so a worker whose consumer takes milliseconds a batch barely yields."""
+        task = self._take(0.0)
+        if task is not None or timeout <= 0:
+            return task
+        bound = self._yields
+        if _native.yield_wait(self.mm, self._task_sem, bound):
+            self._yields = TASK_YIELDS
+            return self._take(-1.0)  # the token is taken: read the entry
+        self._yields = max(MIN_TASK_YIELDS, bound // 2)
+        return self._take(timeout)
+
+    def _take(self, timeout: float) -> None | int | tuple[int, int, int, Any]:
         entry = self._queue + (self._head % self.queue_len) * 8
         task = _native.take_task(self.mm, self._task_sem, entry, self.header_offsets, self.data_offsets,
                                  self.data_bytes, timeout)
