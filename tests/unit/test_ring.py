@@ -83,7 +83,6 @@ def test_a_worker_yields_for_a_task_before_it_sleeps_and_yields_less_after_each_
             bounds.append(worker._yields)
             assert worker.take_task(0.01) is None
         assert bounds == [64, 32, 16, 8, 4, 4]
-        assert (_ring.TASK_YIELDS, _ring.MIN_TASK_YIELDS) == (64, 4)
         real = _native.yield_wait
         seen = []
 
