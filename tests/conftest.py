@@ -21,6 +21,7 @@ def ours() -> set[str]:
 def nothing_left_in_dev_shm() -> Iterator[None]:
     before = ours()
     yield
+    gc.unfreeze()
     gc.collect()
     assert ours() - before == set(), "shmloader left entries in /dev/shm"
 
@@ -33,6 +34,10 @@ def workers_stopped() -> Iterator[None]:
     children = multiprocessing.active_children()
     assert not [c for c in children if c.name.startswith("shmloader-worker")], children
     assert ours() - before == set()
+    # What is alive now is not this test's garbage: later collections skip it. A full
+    # collection costs 0.25-0.4 s once transformers and lightning are imported, a third of
+    # the run's time when every test paid it. The session's end unfreezes and collects all.
+    gc.freeze()
 
 
 def same(a: Any, b: Any) -> None:
