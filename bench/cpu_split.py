@@ -11,7 +11,7 @@ with ``--place apart`` no worker shares its CPU, so this is its own work.
 
 Experiments (shmloader rows only):
   --extra-us N    add N µs of busy work to every next() (does the main process set the pace?)
-  --yields N      the main process's yield bound (shmloader._consume.MAX_YIELDS; 0: sleep at once)
+  --yields N      the main process's yield bound (the iterator's YieldWait.most; 0: sleep at once)
   --sched-batch   run the workers under SCHED_BATCH (no wake-up preemption of the main process)
 
 Bare ring rows only:
@@ -130,9 +130,6 @@ def busy(epoch: Callable[[], Any], us: float) -> Callable[[], Any]:
 
 
 def experiments(args: argparse.Namespace) -> None:
-    if args.yields is not None:
-        _consume.MAX_YIELDS = args.yields
-        _consume.MIN_YIELDS = min(_consume.MIN_YIELDS, args.yields)
     if args.extra_us:
         extra, plain_next, clock = args.extra_us * 1e-6, _consume.RingIterator.__next__, time.perf_counter
 
@@ -180,6 +177,9 @@ def main() -> None:
         if args.which in ("both", "shml"):
             loader = shmloader.DataLoader(ds, batch_size=bs, num_workers=2, prefetch_factor=2, persistent_workers=True)
             it = iter(loader)
+            if args.yields is not None:
+                it.yields.most = it.yields.bound = args.yields
+                it.yields.least = min(it.yields.least, args.yields)
             for _ in it:
                 pass
             pids = [p.pid for p in it._pool.procs]

@@ -6,7 +6,7 @@ persistent), alternated epoch by epoch in one process, each round starting with 
 - ``shipped``: ``shmloader.DataLoader`` as it is (``sched_yield`` and look again, a bounded
   number of times, then sleep: ``RingIterator._yield_for_ready``);
 - ``sleep``: the same loader whose iterator skips the yields and sleeps at once;
-- ``yieldsN``: the shipped policy with N in place of MAX_YIELDS (``yields0`` is ``sleep``).
+- ``yieldsN``: the shipped policy with N as its most yields (``yields0`` is ``sleep``).
 
 Per variant: the median batches/s and the median of each round's ratio to the first variant;
 then, per batch, the wall time, the workers' CPU (user + system from ``/proc``, of the two
@@ -23,7 +23,6 @@ import argparse
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 from typing import Any
 
@@ -32,27 +31,9 @@ import handoff  # noqa: E402
 from handoff import lp  # noqa: E402
 
 import shmloader  # noqa: E402
-from shmloader import _consume, _ring  # noqa: E402
-from shmloader._consume import RingIterator  # noqa: E402
+from shmloader import _ring  # noqa: E402
 from shmloader._bench.measure import cpu_seconds  # noqa: E402
 from shmloader._layout import Counter  # noqa: E402
-
-
-def _bounded(most: int) -> Any:
-    """``RingIterator._yield_for_ready`` as shipped, run with ``most`` in place of MAX_YIELDS
-    (0: sleep at once); the module's bounds are swapped in for the call (a few hundred ns)."""
-    shipped = RingIterator._yield_for_ready
-
-    def yield_for_ready(self: RingIterator) -> bool:
-        self._yields = min(self._yields, most)
-        saved = _consume.MAX_YIELDS, _consume.MIN_YIELDS
-        _consume.MAX_YIELDS, _consume.MIN_YIELDS = most, min(saved[1], most)
-        try:
-            return shipped(self)
-        finally:
-            _consume.MAX_YIELDS, _consume.MIN_YIELDS = saved
-
-    return yield_for_ready
 
 
 def _loader(ds: Any, kw: dict[str, Any], which: int, variant: str) -> Any:
@@ -63,8 +44,9 @@ def _loader(ds: Any, kw: dict[str, Any], which: int, variant: str) -> Any:
     _ = None  # the last batch would hold its slot
     if variant != "shipped":
         most = 0 if variant == "sleep" else int(variant.removeprefix("yields"))
-        it = loader._iterator
-        it._yield_for_ready = types.MethodType(_bounded(most), it)
+        waits = loader._iterator.yields  # the iterator's YieldWait, as shipped but for its bounds
+        waits.most = waits.bound = most
+        waits.least = min(waits.least, most)
     return loader
 
 

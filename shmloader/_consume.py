@@ -51,7 +51,7 @@ from ._layout import DONE, IDLE, N_FIELDS, PAGE, RESIZE_TASK, Counter, Field, Re
 from ._lease import Leases, Where, copy_leaf, leaves_of, lone_args, read_batch, read_dataset_state, read_pickled, slot_of
 from ._overflow import OverflowArena
 from ._pool import WorkerPool
-from ._ring import NOT_INTS, POSTED, Ring
+from ._ring import NOT_INTS, POSTED, Ring, YieldWait
 from ._slots import SlotState, SlotTable, Task
 from ._stats import Counters, RingOccupancy
 from ._worker import WorkerConfig
@@ -59,7 +59,6 @@ from ._worker import WorkerConfig
 _IN_FLIGHT = SlotState.IN_FLIGHT
 _R_SEQ, _R_EPOCH, _STATUS, _NEEDED, _REGION = Field.R_SEQ, Field.R_EPOCH, Field.STATUS, Field.NEEDED, Field.REGION
 _OK, _NEED_MEMORY, _PIPE = int(Status.OK), int(Status.NEED_MEMORY), int(Region.PIPE)
-MAX_YIELDS, MIN_YIELDS = 64, 4  # sched_yield()s a sync next() tries before it sleeps (~1 µs each when idle)
 CHECK_S = 0.25  # how often a blocked sync wait checks worker liveness
 PARENT_CHECK_S = 0.5  # how often an idle worker checks that this process lives
 # What _native.steady_take needs to know of the slot table and the headers, and its answers.
@@ -104,7 +103,7 @@ class RingIterator(_BaseDataLoaderIter):
         self._started = False
         self._deadline: float | None = None
         self._banked = 0
-        self._yields = MAX_YIELDS  # the current bound of _yield_for_ready
+        self.yields = YieldWait()  # a sync next()'s, before it sleeps on the ready semaphore
         wanted = self._num_workers * self._prefetch_factor  # memory_budget may lower it
         self._table = SlotTable(wanted, self._num_workers)
         self._dispatcher = Dispatcher(self._num_workers, self._iterable, self._in_order)
@@ -981,20 +980,13 @@ class RingIterator(_BaseDataLoaderIter):
             mp_connection.wait(conns + self._pool.sentinels, CHECK_S)
 
     def _yield_for_ready(self) -> bool:
-        """Before sleeping on the ready semaphore, give the CPU away (``sched_yield``) and look
-        again, a bounded number of times. A worker that shares this CPU runs at once; one on
-        another CPU need not wake this process from a sleep (on a VM an IPI to a halted vCPU
-        costs a VM exit: tens of µs). The bound is MAX_YIELDS after a success and halves after
-        each failure (down to MIN_YIELDS), so a loop whose batches take long barely yields.
-        The yields and looks are one native call (``_native.yield_wait``, the GIL released)."""
+        """Before sleeping on the ready semaphore, yield the CPU and look again (``YieldWait``);
+        a token taken so is banked for ``_collect``."""
         ring = self._ring
         assert ring is not None
-        bound = self._yields
-        if _native.yield_wait(ring.mm, ring.ready_sem, bound):
+        if self.yields(ring.mm, ring.ready_sem):
             self._banked += 1
-            self._yields = MAX_YIELDS
             return True
-        self._yields = max(MIN_YIELDS, bound // 2)
         return False
 
     # -------------------------------------------------------------- async

@@ -22,8 +22,33 @@ from ._layout import DONE, N_COUNTERS, N_FIELDS, RingGeometry, Field
 
 # What Ring.post_task (and _native.post_task) returns.
 POSTED, DOES_NOT_FIT, NOT_INTS = 1, 0, -1
-# sched_yield()s a worker tries before it sleeps for a task (AttachedRing.take_task)
-TASK_YIELDS, MIN_TASK_YIELDS = 64, 4
+
+
+class YieldWait:
+    """Before a process sleeps on one of the ring's semaphores, it gives its CPU away
+    (``sched_yield``) and looks again, a bounded number of times: a sync ``next()`` for a
+    batch (the ready semaphore), a worker for its next task (its task semaphore). A process
+    that shares the CPU runs at once, and one on another CPU need not wake the waiter from a
+    sleep: on a VM that wake-up (an IPI to a halted vCPU) costs the waker 5-14 µs, most of a
+    small batch's cost. The bound is ``most`` after a token came while yielding and halves
+    after each miss, down to ``least``, so a waiter whose peer takes milliseconds barely
+    yields (``least`` yields, ~1 µs each on an idle CPU). The yields and looks are one native
+    call with the GIL released (``_native.yield_wait``); a hit takes the semaphore's token."""
+
+    MOST, LEAST = 64, 4
+    __slots__ = ("most", "least", "bound")
+
+    def __init__(self) -> None:
+        self.most, self.least = self.MOST, self.LEAST
+        self.bound = self.most
+
+    def __call__(self, mm: mmap.mmap, sem: int) -> bool:
+        bound = self.bound
+        if _native.yield_wait(mm, sem, bound):
+            self.bound = self.most
+            return True
+        self.bound = max(self.least, bound // 2)
+        return False
 
 
 class _Views:
@@ -148,7 +173,7 @@ class AttachedRing(_Views):
         self.worker_id = worker_id
         self._task_sem, self._queue = self.task_sems[worker_id], self.queue_offsets[worker_id]
         self._head = 0
-        self._yields = TASK_YIELDS  # the current bound of take_task's yields
+        self.yields = YieldWait()  # take_task's, before it sleeps
 
     @classmethod
     def by_fd(cls, geometry: RingGeometry, fd: int, worker_id: int) -> AttachedRing:
@@ -171,21 +196,14 @@ class AttachedRing(_Views):
         connection: ``Field.TASK_LEN``); a negative queue entry (STOP_TASK, RESIZE_TASK) as it
         is; None when nothing came within ``timeout`` s.
 
-        When no task is queued yet and ``timeout`` is positive, the worker first gives its CPU
-        away (``sched_yield``) and looks again, a bounded number of times, before it sleeps, as
-        a sync ``next()`` does for a batch (``_consume``'s ``_yield_for_ready``). A worker that
-        sleeps must be woken by the main process's post, and on a VM that wake-up (an IPI to a
-        halted vCPU) costs the main process 5-14 µs: most of a small batch's cost to it. The
-        bound is TASK_YIELDS after a task came while yielding and halves after each miss, down
-        to MIN_TASK_YIELDS, so a worker whose consumer takes milliseconds a batch barely yields."""
+        When no task is queued yet and ``timeout`` is positive, the worker first yields its CPU
+        and looks again (``YieldWait``) before it sleeps: a worker that sleeps must be woken by
+        the main process's post."""
         task = self._take(0.0)
         if task is not None or timeout <= 0:
             return task
-        bound = self._yields
-        if _native.yield_wait(self.mm, self._task_sem, bound):
-            self._yields = TASK_YIELDS
+        if self.yields(self.mm, self._task_sem):
             return self._take(-1.0)  # the token is taken: read the entry
-        self._yields = max(MIN_TASK_YIELDS, bound // 2)
         return self._take(timeout)
 
     def _take(self, timeout: float) -> None | int | tuple[int, int, int, Any]:

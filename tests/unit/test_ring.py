@@ -80,7 +80,7 @@ def test_a_worker_yields_for_a_task_before_it_sleeps_and_yields_less_after_each_
         worker = AttachedRing(ring.geometry, ring.mm, 1)
         bounds = []
         for _ in range(6):  # nothing comes: yields, then the timed wait; the bound halves down to its floor
-            bounds.append(worker._yields)
+            bounds.append(worker.yields.bound)
             assert worker.take_task(0.01) is None
         assert bounds == [64, 32, 16, 8, 4, 4]
         real = _native.yield_wait
@@ -93,11 +93,11 @@ def test_a_worker_yields_for_a_task_before_it_sleeps_and_yields_less_after_each_
 
         monkeypatch.setattr(_ring._native, "yield_wait", post_then_yield)
         assert worker.take_task(5.0) == (2, 7, 41, [3, 4, 5])  # taken by the yields, then read at once
-        assert seen == [4] and worker._yields == 64  # a task that came while yielding restores the bound
+        assert seen == [4] and worker.yields.bound == 64  # a task that came while yielding restores the bound
         monkeypatch.setattr(_ring._native, "yield_wait", real)
         assert ring.post_task(1, 0, 7, 42, [6]) == 1
         assert worker.take_task(5.0) == (0, 7, 42, [6])  # queued already: no yields at all
-        assert worker._yields == 64
-        assert worker.take_task(0.0) is None and worker._yields == 64  # timeout 0 never yields
+        assert worker.yields.bound == 64
+        assert worker.take_task(0.0) is None and worker.yields.bound == 64  # timeout 0 never yields
     finally:
         ring.close()

@@ -7,7 +7,8 @@ import mmap
 from typing import Any
 
 from shmloader import _native
-from shmloader._consume import MAX_YIELDS, MIN_YIELDS, RingIterator
+from shmloader._consume import RingIterator
+from shmloader._ring import YieldWait
 
 SEM = 64  # the ready semaphore's offset in the test's buffer
 
@@ -24,7 +25,7 @@ class Ring:
 class Consumer:
     def __init__(self) -> None:
         self._ring: Any = Ring()
-        self._yields = MAX_YIELDS
+        self.yields = YieldWait()
         self._banked = 0
 
 
@@ -36,13 +37,13 @@ def test_misses_halve_the_bound_down_to_its_floor_and_a_hit_restores_it() -> Non
     c = Consumer()
     bounds = []
     for _ in range(6):
-        bounds.append(c._yields)
+        bounds.append(c.yields.bound)
         assert not look(c) and c._banked == 0
-    assert bounds == [64, 32, 16, 8, 4, 4] and (MAX_YIELDS, MIN_YIELDS) == (64, 4)
+    assert bounds == [64, 32, 16, 8, 4, 4] and (YieldWait.MOST, YieldWait.LEAST) == (64, 4)
     _native.sem_post(c._ring.mm, SEM)
     _native.sem_post(c._ring.mm, SEM)
     assert look(c) and c._banked == 1  # one token taken and banked for _collect...
-    assert c._yields == MAX_YIELDS
+    assert c.yields.bound == 64
     assert _native.sem_wait(c._ring.mm, SEM, 0) and not _native.sem_wait(c._ring.mm, SEM, 0)  # ...the other left
 
 
