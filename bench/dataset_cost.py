@@ -15,16 +15,13 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import pathlib
 import time
 from typing import Any
 
 import torch
 from torch.utils.data import default_collate
 
-from shmloader._bench.workloads import WORKLOADS
-
-CACHE = pathlib.Path(os.environ.get("SHMLOADER_BENCH_CACHE", "/tmp/shmbench-cache"))
+from shmloader._bench.workloads import CACHE, WORKLOADS
 
 
 def _per_batch_ms(ds: Any, bs: int, batches: int, first: int) -> float:

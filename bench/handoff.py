@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import mmap
-import pathlib
 import statistics
 import sys
 import time
@@ -36,7 +35,7 @@ import limit_probe as lp  # noqa: E402
 
 import shmloader  # noqa: E402
 from shmloader import _ring, _worker  # noqa: E402
-from shmloader._bench.workloads import WORKLOADS  # noqa: E402
+from shmloader._bench.workloads import CACHE, WORKLOADS  # noqa: E402
 from shmloader._layout import Counter  # noqa: E402
 
 # Per worker id (0, 1) and loader (0, 1): task-wait ns, publish ns. Shared with the workers
@@ -70,7 +69,7 @@ def dataset(name: str) -> tuple[Any, dict[str, Any]]:
         shape, dtype, bs, n = lp.WORK[name]
         return lp.Tagged(shape, dtype, n * bs), {"batch_size": bs}
     w = WORKLOADS[name]
-    ds = w.make(pathlib.Path.home() / ".cache" / "shmloader-bench", False, None, 300 * w.batch_size)
+    ds = w.make(CACHE, False, None, 300 * w.batch_size)
     kw: dict[str, Any] = {"batch_size": w.batch_size, "shuffle": True}
     if w.collate_fn is not None:
         kw["collate_fn"] = w.collate_fn

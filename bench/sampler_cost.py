@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
 import statistics
 import subprocess
 import sys
@@ -25,10 +24,10 @@ def one(sampler: str, batches: int) -> float:
     """Batches/s of one fresh shmloader over the memmap workload, under ``sampler``."""
     import shmloader
     from shmloader._bench.measure import PeakMemory
-    from shmloader._bench.workloads import WORKLOADS
+    from shmloader._bench.workloads import CACHE, WORKLOADS
 
     w = WORKLOADS["memmap"]
-    ds = w.make(pathlib.Path.home() / ".cache" / "shmloader-bench", False, None, 32 * (batches + 100))
+    ds = w.make(CACHE, False, None, 32 * (batches + 100))
     memory = {"old": lambda: PeakMemory(0.05, 0.05), "new": lambda: PeakMemory()}.get(sampler, lambda: None)()
     loader = shmloader.DataLoader(ds, batch_size=32, num_workers=2, prefetch_factor=2, persistent_workers=True)
     it = iter(loader)

@@ -23,7 +23,7 @@ import torch
 
 from .loaders import LOADERS
 from .measure import Result, measure
-from .workloads import WORKLOADS
+from .workloads import CACHE, WORKLOADS
 
 
 def parser() -> argparse.ArgumentParser:
@@ -43,7 +43,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--step-ms", type=float, default=0.0, help="simulated training step per batch (CPU spin)")
     p.add_argument("--report", action="store_true", help="print shmloader's loader-bound share and advice")
     p.add_argument("--data", type=pathlib.Path, default=None, help="folder with your JPEGs and/or a uint16 token file")
-    p.add_argument("--cache", type=pathlib.Path, default=pathlib.Path.home() / ".cache" / "shmloader-bench")
+    p.add_argument("--cache", type=pathlib.Path, default=CACHE)
     p.add_argument("--json", type=pathlib.Path, default=None, help="write results as JSON")
     p.add_argument("--plot", type=pathlib.Path, default=None, help="draw throughput and memory (needs matplotlib)")
     return p

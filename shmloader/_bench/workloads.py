@@ -16,6 +16,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+# Where the real workloads' files are written once (``shmloader bench --cache``'s default).
+CACHE = pathlib.Path.home() / ".cache" / "shmloader-bench"
+
 
 class Ready(Dataset):  # type: ignore[type-arg]
     """``__getitem__`` returns one preallocated tensor: only transport is measured."""
