@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 
 .PHONY: test bench soak typecheck clean
 
-$(VENV)/.installed: pyproject.toml setup.py native/_native.c native/_sync.c
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard native/*.c)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"

@@ -140,7 +140,7 @@ static PyObject *plain_value(PyObject *module, PyObject *obj) {
 }
 
 PyDoc_STRVAR(plain_value_doc,
-             "plain_value(obj, /) -> bool\n\n"
+             "plain_value($module, obj, /)\n--\n\n"
              "Whether obj holds only exact None, bool, int, float, str, bytes, list, tuple and dict,\n"
              "no container twice: what marshal writes and reads back as it was.");
 

@@ -28,11 +28,15 @@ from torch.utils.data._utils import collate as torch_collate
 
 from . import _native
 from ._layout import (CODE_OF_DTYPE, CODE_OF_NP_DTYPE, LEAF_ALIGN, LONE_LEAF, STORAGE, TORCH_ONLY_CODES,
-                      TYPED_STORAGE, Kind, round_up, table_bytes, view_leaf)
+                      TYPED_STORAGE, VIEW, Kind, round_up, table_bytes, view_leaf)
 
 Leaf = tuple[int, int, int, tuple[int, ...]]  # (dtype code, kind, offset, shape)
+# A tensor viewing a leaf's storage: (VIEW, leaf, dtype name, storage offset, size, stride).
+View = tuple[str, int, str, int, tuple[int, ...], tuple[int, ...]]
 _TENSOR, _NUMPY = int(Kind.TENSOR), int(Kind.NUMPY)
 _TENSOR_DTYPES = {dtype: (code, dtype.itemsize) for dtype, code in CODE_OF_DTYPE.items()}
+# A tensor viewing part of a storage brings the whole storage when it spans at least 1/ALIAS_SPAN of it.
+ALIAS_SPAN = 4
 _VIEW_CACHE = 256  # leaf views a writer keeps (a batch with many leaves, shapes that vary: start over)
 
 
@@ -55,7 +59,9 @@ class SlotWriter:
         self.used = 0
         self.fits = self._mm is not None  # a probe writer only measures
         self.leaves: list[Leaf] = []
-        self._ids: dict[int, int] = {}
+        self._ids: dict[int, int | View] = {}  # id of a batch's tensor or array -> its leaf, or its view
+        # A storage (its _cdata; _keep keeps it alive) -> (first byte, end, leaf) of the leaves of its bytes
+        self._storages: dict[int, list[tuple[int, int, int]]] = {}
         self._keep: list[object] = []
         self._stacked: tuple[int, torch.Size, torch.dtype, torch.Tensor] | None = None  # set by _stack_into_slot
 
@@ -93,25 +99,37 @@ class SlotWriter:
         out: np.ndarray[Any, Any] = self._leaf(CODE_OF_NP_DTYPE[dtype], _NUMPY, dtype.itemsize, shape)
         return out
 
-    def leaf_id(self, obj: object) -> int | None:
-        """Leaf id for a tensor or array in the batch, copying it into the slot if needed."""
+    def leaf_id(self, obj: object) -> int | View | None:
+        """Leaf id for a tensor or array in the batch, copying it into the slot if needed. A
+        tensor that views part of a storage is a ``View`` of a leaf holding the bytes it spans,
+        which other tensors of the batch viewing those bytes share (as torch's batches do)."""
         known = self._ids.get(id(obj))
         if known is not None:
             return known
         if isinstance(obj, torch.Tensor):
             if (
                 type(obj) is not torch.Tensor
+                or obj.is_nested  # (strided layout, but no sizes): pickled as torch pickles it, its buffer a storage leaf
                 or obj.layout is not torch.strided
                 or obj.device.type != "cpu"
                 or obj.requires_grad
                 or obj.dtype not in CODE_OF_DTYPE
             ):
                 return None
+            storage = None if obj.is_conj() or obj.is_neg() or not obj.numel() else obj.untyped_storage()
+            if storage is not None:  # (conjugate and negative views are resolved into a copy)
+                view = self._view_of(obj, storage)
+                if view is not None:
+                    self._ids[id(obj)] = view
+                    self._keep.append(obj)
+                    return view
             out = self.tensor(obj.dtype, tuple(obj.shape))
             if CODE_OF_DTYPE[obj.dtype] < TORCH_ONLY_CODES and obj.dtype is not torch.bfloat16:
                 out.copy_(obj)
             else:  # float8, sub-byte and bit types: torch copies them as bytes only
                 out.view(torch.uint8).copy_(obj.view(torch.uint8))
+            if storage is not None:  # the whole storage: later tensors viewing it share this leaf
+                self._storages.setdefault(storage._cdata, []).append((0, storage.nbytes(), len(self.leaves) - 1))
         elif type(obj) is np.ndarray and obj.dtype in CODE_OF_NP_DTYPE:
             np.copyto(self.array(obj.dtype, obj.shape), obj, casting="no")
         else:
@@ -121,19 +139,45 @@ class SlotWriter:
         self._keep.append(obj)
         return leaf_id
 
+    def _view_of(self, obj: torch.Tensor, storage: torch.UntypedStorage) -> View | None:
+        """``obj`` as a view of a leaf of its storage's bytes, or None for a tensor that is its
+        whole storage, contiguous, not seen before (the common case: a leaf of its own)."""
+        itemsize = obj.element_size()
+        start = int(obj.storage_offset()) * itemsize
+        end = start + (1 + sum((int(n) - 1) * st for n, st in zip(obj.shape, obj.stride()))) * itemsize
+        dtype = str(obj.dtype).removeprefix("torch.")
+        for first, last, leaf in self._storages.get(storage._cdata, ()):
+            if first <= start and end <= last and (start - first) % itemsize == 0:
+                return (VIEW, leaf, dtype, (start - first) // itemsize, tuple(obj.shape), obj.stride())
+        nbytes = int(storage.nbytes())
+        if start == 0 and end == nbytes and obj.is_contiguous():
+            return None
+        # Its whole storage when that is at most ALIAS_SPAN times what it spans (then x[:1]
+        # before x still shares x's leaf); otherwise only its span (a row of a dataset-sized
+        # tensor is not the dataset).
+        lo, hi = (0, nbytes) if nbytes <= ALIAS_SPAN * (end - start) else (start, end)
+        return (VIEW, self._bytes_leaf(storage, lo, hi), dtype, (start - lo) // itemsize, tuple(obj.shape), obj.stride())
+
+    def _bytes_leaf(self, storage: torch.UntypedStorage, lo: int, hi: int) -> int:
+        """A uint8 leaf of ``storage``'s bytes [lo, hi), remembered for the tensors that view them."""
+        source = torch.empty(0, dtype=torch.uint8).set_(storage, lo, (hi - lo,), (1,))
+        self.tensor(torch.uint8, (hi - lo,)).copy_(source)
+        leaf = len(self.leaves) - 1
+        self._keep.append(source)  # (keeps the storage, and so its _cdata, alive until finish)
+        self._storages.setdefault(storage._cdata, []).append((lo, hi, leaf))
+        return leaf
+
     def storage_id(self, storage: torch.UntypedStorage) -> int | None:
         """Leaf id for a CPU storage in the batch: its bytes, as a uint8 tensor leaf in the slot
-        (the main process hands back that leaf's storage: zero-copy, leased like a tensor)."""
-        known = self._ids.get(id(storage))
-        if known is not None:
-            return known
+        (the main process hands back that leaf's storage: zero-copy, leased like a tensor). One
+        leaf for a storage and the tensors of the batch that view all of it."""
         if storage.device.type != "cpu":
             return None
-        leaf_id = self.leaf_id(torch.empty(0, dtype=torch.uint8).set_(storage))
-        if leaf_id is not None:
-            self._ids[id(storage)] = leaf_id
-            self._keep.append(storage)
-        return leaf_id
+        nbytes = storage.nbytes()
+        for lo, hi, leaf in self._storages.get(storage._cdata, ()):
+            if lo == 0 and hi == nbytes:
+                return leaf
+        return self._bytes_leaf(storage, 0, nbytes)
 
     def finish(self, batch: object, dataset_state: bytes = b"") -> int:
         """Pickle ``batch``'s skeleton and write it with the leaf table (and the pickled
@@ -251,7 +295,7 @@ class _LeafPickler(pickle.Pickler):
         self._leaf_id = writer.leaf_id
         self._storage_id = writer.storage_id
 
-    def persistent_id(self, obj: object) -> int | tuple[str, int] | tuple[str, int, str] | None:
+    def persistent_id(self, obj: object) -> int | View | tuple[str, int] | tuple[str, int, str] | None:
         if isinstance(obj, (torch.Tensor, np.ndarray)):
             return self._leaf_id(obj)
         if type(obj) is torch.UntypedStorage:
@@ -273,16 +317,15 @@ def _stack_into_slot(
     """``collate_tensor_fn`` that stacks into slot memory instead of a new segment."""
     elem = batch[0]
     if elem.is_nested or elem.layout is not _STRIDED or not elem.is_cpu:
-        result: torch.Tensor = torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
-        return result
+        return _torch_collate_tensor(batch, collate_fn_map)
     dtype = _native.same_attr(batch, "dtype")  # one dtype (the common case), or None: promote as default_collate
     if dtype is None:
         try:
             dtype = functools.reduce(torch.promote_types, map(_dtype_of, batch))
         except (TypeError, AttributeError):
-            return torch.stack(batch, 0)  # not all tensors: torch's own error, as default_collate raises
+            return _torch_collate_tensor(batch, collate_fn_map)  # not all tensors: torch's own error
     if dtype not in CODE_OF_DTYPE:
-        return torch.stack(batch, 0)
+        return torch.stack(batch, 0)  # (quantized: as default_collate stacks them in the main process)
     shape = elem.shape
     out = writer.tensor(dtype, (len(batch), *shape))
     try:
@@ -292,6 +335,14 @@ def _stack_into_slot(
     if stacked is out:  # (a tensor subclass's __torch_function__ may return another object)
         writer._stacked = (len(batch), shape, dtype, out)
     return stacked
+
+
+def _torch_collate_tensor(batch: list[Any], collate_fn_map: dict[Any, Callable[..., Any]] | None) -> torch.Tensor:
+    """torch's own ``collate_tensor_fn`` (as its workers run it), for samples that are not all
+    tensors, or nested or sparse ones: what torch's workers refuse fails with their exception
+    (an ndarray among tensors: AttributeError), what they accept is collated as they collate it."""
+    result: torch.Tensor = torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+    return result
 
 
 def slot_collate_map(writer: SlotWriter) -> dict[Any, Callable[..., Any]]:

@@ -154,6 +154,9 @@ LONE_LEAF: Final = b"\x80\x05\x95\x04\x00\x00\x00\x00\x00\x00\x00K\x00Q."
 # name); the leaf is a uint8 tensor of the storage's bytes.
 STORAGE: Final = "storage"
 TYPED_STORAGE: Final = "typed_storage"
+# A tensor that views a storage (a slice, a transpose, one of several views of one tensor):
+# (VIEW, leaf, dtype name, storage offset, size, stride) over the storage of that leaf's bytes.
+VIEW: Final = "view"
 
 
 def view_leaf(raw: np.ndarray[Any, Any], code: int, kind: int, shape: tuple[int, ...]) -> Any:
@@ -165,13 +168,15 @@ def view_leaf(raw: np.ndarray[Any, Any], code: int, kind: int, shape: tuple[int,
     Raises ValueError for a numpy leaf of such a dtype, or a code this torch has no dtype for.
     """
     np_dtype = NP_DTYPES[code]
-    if np_dtype is None or (len(shape) > _NUMPY_MAX_NDIM and kind == Kind.TENSOR):
+    if np_dtype is None or (kind == Kind.TENSOR and (len(shape) > _NUMPY_MAX_NDIM or raw.size == 0)):
         dtype = DTYPES[code]
         if dtype is None:
             raise ValueError(f"dtype code {code} names a dtype this torch ({torch.__version__}) does not have")
         if kind != Kind.TENSOR:
             raise ValueError(f"numpy leaf with dtype {dtype}, which numpy lacks")
-        if raw.size == 0:  # torch cannot reinterpret an empty byte view; nothing to share
+        if raw.size == 0:
+            # Nothing to share, and numpy refuses shapes whose product of the other dimensions
+            # overflows (torch.empty(0, 2**61)): torch makes its own empty tensor.
             return torch.empty(shape, dtype=dtype)
         return torch.from_numpy(raw).view(dtype).view(shape)
     arr = raw.view(np_dtype).reshape(shape)

@@ -21,7 +21,7 @@ import torch
 
 from . import _native
 from ._errors import CorruptSlotError
-from ._layout import _NUMPY_MAX_NDIM, LONE_LEAF, NP_DTYPES, STORAGE, TYPED_STORAGE, Field, Kind, Region, view_leaf
+from ._layout import _NUMPY_MAX_NDIM, LONE_LEAF, NP_DTYPES, STORAGE, TYPED_STORAGE, VIEW, Field, Kind, Region, view_leaf
 from ._ring import Ring
 
 
@@ -84,6 +84,8 @@ class _LeafUnpickler(pickle.Unpickler):
     def persistent_load(self, pid: Any) -> Any:
         if type(pid) is int and 0 <= pid < len(self._leaves):
             return self._leaves[pid]
+        if type(pid) is tuple and len(pid) == 6 and pid[0] == VIEW:
+            return self._view(*pid[1:])
         if type(pid) is tuple and len(pid) in (2, 3) and type(pid[1]) is int and 0 <= pid[1] < len(self._leaves):
             leaf = self._leaves[pid[1]]  # a storage: its bytes' leaf (uint8), handed back as a storage of it
             if type(leaf) is torch.Tensor and leaf.dtype is torch.uint8 and leaf.dim() == 1:
@@ -93,6 +95,24 @@ class _LeafUnpickler(pickle.Unpickler):
                 if isinstance(dtype, torch.dtype):
                     return torch.TypedStorage(wrap_storage=leaf.untyped_storage(), dtype=dtype, _internal=True)  # type: ignore[no-untyped-call]
         raise CorruptSlotError(f"batch skeleton refers to leaf {pid!r} of {len(self._leaves)}")
+
+
+    def _view(self, leaf_id: Any, dtype_name: Any, offset: Any, size: Any, stride: Any) -> torch.Tensor:
+        """A tensor over the storage of leaf ``leaf_id`` (``_collate.View``), bounds checked."""
+        dtype = getattr(torch, dtype_name, None) if type(dtype_name) is str else None
+        leaf = self._leaves[leaf_id] if type(leaf_id) is int and 0 <= leaf_id < len(self._leaves) else None
+        ok = (isinstance(dtype, torch.dtype) and type(leaf) is torch.Tensor and type(offset) is int and offset >= 0
+              and type(size) is tuple and type(stride) is tuple and len(size) == len(stride)
+              and all(type(n) is int and n >= 0 for n in size + stride))
+        if ok:
+            assert isinstance(dtype, torch.dtype) and isinstance(leaf, torch.Tensor)
+            storage = leaf.untyped_storage()
+            itemsize = torch.empty(0, dtype=dtype).element_size()
+            last = offset + sum((n - 1) * st for n, st in zip(size, stride)) if all(size) else -1
+            if (last + 1) * itemsize <= storage.nbytes():
+                return torch.empty(0, dtype=dtype).set_(storage, offset, size, stride)
+        raise CorruptSlotError(f"batch skeleton has a view {(leaf_id, dtype_name, offset, size, stride)!r:.200} "
+                               f"outside its {len(self._leaves)} leaves")
 
 
 def _span(hdr: memoryview, off_field: int, len_field: int, cap: int, what: str, slot: int) -> tuple[int, int]:

@@ -20,6 +20,7 @@ Layout of the file (little-endian)::
              protocol-5 pickle) or VIEWS (a pickle holding arrays or tensors)
     (dict)   keys u64[n + 1] (key i: blob[keys[i]:keys[i + 1]]), then hashes u64[n] sorted and
              the element index of each, u64[n]: a key is found by binary search on its hash
+             (``_key_hash``: the same for equal keys in every process, whatever its hash seed)
     blob     the pickles
     data     the bytes of every array and tensor, 64-byte aligned (pickled as persistent ids)
 
@@ -35,7 +36,9 @@ from __future__ import annotations
 
 import array
 import collections.abc
+import decimal
 import fcntl
+import fractions
 import hashlib
 import io
 import marshal
@@ -146,8 +149,33 @@ def _serialized(values: Iterable[Any], leaves: _Leaves) -> tuple[bytes, array.ar
     return buf.getvalue(), offsets, codes
 
 
-def _key_hash(key_pickle: bytes) -> int:
-    return int.from_bytes(hashlib.blake2b(key_pickle, digest_size=8).digest(), "little")
+_NUMBERS = (int, float, complex, fractions.Fraction, decimal.Decimal)
+
+
+def _key_hash(key: Any) -> int:
+    """A 64-bit hash of a dict key that equal keys share in every process, whatever their
+    ``PYTHONHASHSEED``: str and bytes hash (so tuples and frozensets of them) is salted per
+    process, which a spawn or forkserver worker does not share. Numbers use Python's own hash
+    (not salted, and equal for 1, 1.0 and True, as dict needs); tuples combine their items'
+    in order, frozensets in sorted order; any other key hashes its pickle."""
+    if isinstance(key, _NUMBERS):
+        return hash(key) & _MASK
+    if isinstance(key, str):
+        data = b"s" + key.encode("utf-8", "surrogatepass")
+    elif isinstance(key, bytes):
+        data = b"b" + key
+    elif key is None:
+        data = b"n"
+    elif isinstance(key, tuple):
+        data = b"t" + np.asarray([_key_hash(k) for k in key], dtype="<u8").tobytes()
+    elif isinstance(key, frozenset):
+        data = b"f" + np.asarray(sorted(_key_hash(k) for k in key), dtype="<u8").tobytes()
+    else:
+        data = b"p" + pickle.dumps(key, protocol=5)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+_MASK = (1 << 64) - 1
 
 
 def _write(kind: int, keys: list[Any], values: Iterable[Any]) -> tuple[int, int]:
@@ -163,7 +191,7 @@ def _write(kind: int, keys: list[Any], values: Iterable[Any]) -> tuple[int, int]
         for kp in key_pickles:
             key_offsets.append(key_offsets[-1] + len(kp))
         blob = blob + b"".join(key_pickles)
-        hashes = np.asarray([_key_hash(kp) for kp in key_pickles], dtype="<u8")
+        hashes = np.asarray([_key_hash(k) for k in keys], dtype="<u8")
         order = np.argsort(hashes, kind="stable").astype("<u8")
         parts += [np.asarray(key_offsets, dtype="<u8"), hashes[order], order]
     tables = b"".join(p.tobytes() for p in parts)
@@ -347,15 +375,15 @@ class SharedDict(collections.abc.Mapping):  # type: ignore[type-arg]
         return s.mm[s.blob_off + int(self._keys[j]) : s.blob_off + int(self._keys[j + 1])]
 
     def _index(self, key: Any) -> int:
+        hash(key)  # an unhashable key: TypeError, as from a dict
         try:
-            kp = pickle.dumps(key, protocol=5)
-        except Exception:
+            h = _key_hash(key)
+        except Exception:  # (a key that does not pickle is none of ours)
             raise KeyError(key) from None
-        h = _key_hash(kp)
         pos = int(np.searchsorted(self._hashes, np.uint64(h)))
         while pos < self._store.n and int(self._hashes[pos]) == h:
             j = int(self._order[pos])
-            if self._key_bytes(j) == kp or pickle.loads(self._key_bytes(j)) == key:
+            if pickle.loads(self._key_bytes(j)) == key:
                 return j
             pos += 1
         raise KeyError(key)

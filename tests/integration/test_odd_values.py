@@ -135,6 +135,7 @@ ODD_VALUES: dict[str, Callable[[int], Any]] = {
     "0-d tensor": lambda i: torch.tensor(float(i)),
     "empty tensor": lambda i: torch.empty(0, 3),
     "empty with a huge dimension": lambda i: torch.empty(0, 2**40),
+    "empty with a dimension numpy cannot hold": lambda i: torch.empty(0, 2**61),
     "non-contiguous tensor": lambda i: torch.arange(12.0).reshape(3, 4).t() + i,
     "negative-stride numpy view": lambda i: __import__("numpy").arange(6)[::-1] + i,
     "numpy big-endian": lambda i: __import__("numpy").arange(4, dtype=">i4") + i,
@@ -241,3 +242,98 @@ def test_a_storage_is_a_zero_copy_leased_view_of_its_slot() -> None:
     del storage
     assert it.holding() == 1 and bytes(kept) == bytes(torch.ones(4, dtype=torch.int64).numpy())  # ...until dropped
     it._shutdown_workers()
+
+
+def test_a_tensor_and_an_ndarray_fail_with_torchs_exception() -> None:
+    import numpy as np
+
+    def make(i: int) -> Any:
+        return torch.zeros(2) if i % 2 == 0 else np.zeros(2)
+
+    theirs = outcomes_of(make, torch.utils.data.DataLoader, num_workers=2, batch_size=2)
+    assert theirs is AttributeError  # (torch's workers: 'numpy.ndarray' object has no attribute 'numel')
+    assert outcomes_of(make, shmloader.DataLoader, num_workers=2, batch_size=2) is theirs
+
+
+def nested_outcome(loader: Any) -> Any:
+    """Batches with their nested tensors as (layout, is_nested, [components' bytes])."""
+    def seen(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: seen(v) for k, v in x.items()}
+        if isinstance(x, torch.Tensor) and x.is_nested:
+            return "nested", x.layout, [(t.dtype, tuple(t.shape), t.tolist()) for t in x.unbind()]
+        return canonical(x)
+
+    it = iter(loader)
+    try:
+        return [seen(batch) for batch in it]
+    finally:
+        getattr(it, "_shutdown_workers", lambda: None)()
+
+
+def ragged(i: int) -> torch.Tensor:
+    return torch.arange(float(i + 1)) * (i + 1)
+
+
+@pytest.mark.parametrize("shape", ["alone", "in a dict", "a sample"])
+def test_strided_nested_tensors_as_torch_delivers_them(shape: str) -> None:
+    def collate(samples: list[torch.Tensor]) -> Any:
+        nested = torch.nested.nested_tensor(samples)  # the strided layout: no sizes, one buffer
+        return nested if shape == "alone" else {"x": nested, "n": torch.tensor([len(samples)])}
+
+    kw: dict[str, Any] = {"batch_size": 2, "collate_fn": collate}
+    make: Callable[[int], Any] = ragged
+    if shape == "a sample":
+        kw = {"batch_size": None}
+        make = lambda i: torch.nested.nested_tensor([ragged(i), ragged(i + 1)])  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nested tensors' prototype warning
+        theirs = nested_outcome(torch.utils.data.DataLoader(Samples(make), num_workers=2, **kw))
+        ours = nested_outcome(shmloader.DataLoader(Samples(make), num_workers=2, **kw))
+    assert ours == theirs and len(theirs) == (4 if shape == "a sample" else 2)
+
+
+@pytest.mark.parametrize("collate", [None, "identity"])
+def test_views_of_one_tensor_share_their_storage_as_in_torch(collate: Any) -> None:
+    # A sample of several views of one tensor: torch's batch keeps them one storage, with each
+    # view's strides and offset; so does shmloader's, and a write through one shows in all.
+    def make(i: int) -> Any:
+        x = torch.arange(12.0).reshape(3, 4) + i
+        return x[1:], x, x.t(), {"row": x[2, ::2], "bits": x.view(torch.int32)}
+
+    def views(sample: Any) -> Any:
+        tensors = [sample[0], sample[1], sample[2], sample[3]["row"], sample[3]["bits"]]
+        base = tensors[0].untyped_storage().data_ptr()
+        return [(t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), t.untyped_storage().data_ptr() == base,
+                 t.tolist()) for t in tensors]
+
+    kw: dict[str, Any] = {"batch_size": None} if collate is None else {"batch_size": 2, "collate_fn": list}
+
+    def run(loader: Any) -> list[Any]:
+        out = []
+        for batch in loader(Samples(make), num_workers=2, **kw):
+            for sample in [batch] if collate is None else batch:
+                out.append(views(sample))
+                sample[1][0, 0] = -1.0
+                assert sample[0].untyped_storage().data_ptr() != sample[1].untyped_storage().data_ptr() or (
+                    sample[2][0, 0].item() == -1.0)
+        return out
+
+    theirs = run(torch.utils.data.DataLoader)
+    assert all(shared for sample in theirs for *_, shared, _ in sample)
+    assert run(shmloader.DataLoader) == theirs
+
+
+def test_a_row_of_a_large_tensor_does_not_bring_the_whole_tensor() -> None:
+    # A dataset that returns rows of one tensor in memory (TensorDataset, batch_size=None): each
+    # batch is its row, not a view of the whole table (torch moves the whole table to shared
+    # memory once; a slot would take it every batch).
+    table = torch.arange(40_000.0).reshape(10_000, 4)
+    dataset = torch.utils.data.TensorDataset(table)
+    it = iter(shmloader.DataLoader(dataset, batch_size=None, num_workers=2))
+    try:
+        rows = [next(it) for _ in range(5)]
+        assert [r[0].tolist() for r in rows] == [table[i].tolist() for i in range(5)]
+        assert it._ring is not None and it._ring.geometry.data_bytes < table.numel() * 4
+    finally:
+        it._shutdown_workers()

@@ -140,10 +140,36 @@ def test_it_cannot_be_changed() -> None:
         os.pwrite(shared_list._store.fd, b"x", 0)
 
 
-def test_dict_keys_are_matched_by_their_pickle() -> None:
-    shared = shmloader.share({1: "int", (2, "b"): "tuple"})
-    assert shared[1] == "int" and shared[(2, "b")] == "tuple"
-    assert 1.0 not in shared and True not in shared  # equal to 1 in a dict, another key here (README)
+def test_dict_keys_match_as_in_a_dict() -> None:
+    keys = {1: "int", (2, "b"): "tuple", frozenset({"x", "y"}): "frozenset", None: "none", Color.BLUE: "enum",
+            "s": "str", b"s": "bytes"}
+    shared = shmloader.share(keys)
+    assert shared[1] == "int" and shared[(2, "b")] == "tuple" and shared[frozenset({"y", "x"})] == "frozenset"
+    assert shared[1.0] == shared[True] == "int" and shared[2] == "enum" and shared[None] == "none"
+    assert shared["s"] == "str" and shared[b"s"] == "bytes" and (2.5 in shared, "t" in shared) == (False, False)
+    with pytest.raises(TypeError, match="unhashable"):
+        shared[[1]]  # as from a dict
+
+
+class ByFrozensetKeys(Dataset):  # type: ignore[type-arg]
+    """Looks its samples up by frozensets of strings, which hash differently under each hash seed."""
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> str:
+        return str(self.table[frozenset({f"k{i}", f"v{i}", "shared"})])
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_frozenset_keys_are_found_by_spawn_and_forkserver_workers(context: str) -> None:
+    table = shmloader.share({frozenset({f"k{i}", f"v{i}", "shared"}): f"sample {i}" for i in range(12)})
+    got = list(shmloader.DataLoader(ByFrozensetKeys(table), batch_size=None, num_workers=2,
+                                    multiprocessing_context=context))
+    assert got == [f"sample {i}" for i in range(12)]
 
 
 def test_a_generator_is_stored_as_it_comes() -> None:

@@ -43,6 +43,12 @@ def test_the_functions_have_signatures_and_refuse_lists_with_type_errors() -> No
 
     assert str(inspect.signature(_native.encode_table)) == "(buffer, offset, limit, leaves, /)"
     assert str(inspect.signature(_native.sem_wait)) == "(buffer, offset, timeout, /)"
+    assert str(inspect.signature(_native.plain_value)) == "(obj, /)"
+    functions = [getattr(_native, name) for name in dir(_native) if callable(getattr(_native, name))
+                 and not isinstance(getattr(_native, name), type)]
+    assert functions
+    for function in functions:
+        inspect.signature(function)  # every native function has a text signature
     with pytest.raises(TypeError, match="leaf 0 must be a tuple"):
         _native.encode_table(bytearray(256), 0, 256, [[1, 0, 0, (1,)]])
     with pytest.raises(TypeError, match=r"sem_wait\(\) takes exactly 3 arguments"):
