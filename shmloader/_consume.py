@@ -67,7 +67,9 @@ _STEADY = (SlotState.FREE, SlotState.IN_FLIGHT, SlotState.READY, SlotState.LENT,
            Field.R_SEQ, N_FIELDS)
 _NOT_READY, _GENERAL = -1, -2  # steady_take's answers other than a slot
 _DISPATCH = (SlotState.FREE, SlotState.IN_FLIGHT, Task)  # what _native.dispatch_next needs of the slot table
-_END = object()
+# Private answers of the iterator's steps, never a user's value (a batch may be None, 0, [] ...)
+_NOTHING = object()  # nothing ready yet
+_END = object()  # the epoch has ended
 _GROW = object()  # the ring must grow before anything else is dispatched
 _COPY = ("copy",)  # wait for the oldest device copy to complete
 _READY = ("ready",)
@@ -211,12 +213,12 @@ class RingIterator(_BaseDataLoaderIter):
         if not self._started and not self._sampler_done:
             yield from self._start()
         while True:
-            result = None if looked else self._round()
+            result = _NOTHING if looked else self._round()
             looked = False
             if result is _GROW:
                 yield from self._grow()
                 continue
-            if result is not None and result is not _COPY:
+            if result is not _NOTHING and result is not _COPY:
                 return result
             stager = self._stager
             if result is _COPY or (stager is not None and stager.copying and not self._table.free):
@@ -230,7 +232,7 @@ class RingIterator(_BaseDataLoaderIter):
     def _round(self) -> Any:
         """One pass that never waits: take back returned slots, collect published ones, grant
         overflow memory, dispatch tasks, and deliver the next batch if it is ready. Returns
-        the batch, ``_END``, ``_GROW`` (the ring must grow first) or None (nothing yet)."""
+        the batch, ``_END``, ``_GROW`` (the ring must grow first) or ``_NOTHING`` (nothing yet)."""
         stager = self._stager
         if self._ring is not None:
             table = self._table
@@ -274,14 +276,14 @@ class RingIterator(_BaseDataLoaderIter):
                     return _COPY  # shutting down waits for them: let them finish first
                 self._shutdown_workers()
             return _END
-        return None
+        return _NOTHING
 
     def _steady(self) -> Any:
         """``next()`` in order, without a device, nothing pending: one native call
         (``_native.steady_take``: returned slots back, published slots collected, the next batch
         taken, the slot table's own transitions), then ``_dispatch_and_wait`` and again until
         the batch is in. Anything out of the ordinary goes to ``_round``, whose result this
-        returns; None means a round found nothing ready (the general path waits next)."""
+        returns; ``_NOTHING`` means a round found nothing ready (the general path waits next)."""
         table = self._table
         leases = self._leases
         ring = self._ring
@@ -921,12 +923,12 @@ class RingIterator(_BaseDataLoaderIter):
             # The steady state (started, running, nothing staged or pending): in order, _steady
             # (its waits included); otherwise one _round. The generator only when they say so.
             looked = self._started and not self._shutdown and self._stager is None and self._pending_error is None
-            result = None
+            result = _NOTHING
             if looked:
                 self._deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
                 result = self._steady() if self._in_order else self._round()
-            if result is None or result is _GROW:
-                steps = self._steps(looked and result is None)
+            if result is _NOTHING or result is _GROW:
+                steps = self._steps(looked and result is _NOTHING)
                 request = next(steps)
                 while True:
                     self._block(request)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from shmloader._shm import SEGMENT_PREFIX, SHM_DIR
+from tests.fakes import FakeStream, install_fake_cuda
 
 
 def ours() -> set[str]:
@@ -38,6 +39,12 @@ def workers_stopped() -> Iterator[None]:
     # collection costs 0.25-0.4 s once transformers and lightning are imported, a third of
     # the run's time when every test paid it. The session's end unfreezes and collects all.
     gc.freeze()
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeStream:
+    """torch.cuda's streams and events faked (tests/fakes.py): device delivery on the CPU."""
+    return install_fake_cuda(monkeypatch)
 
 
 def same(a: Any, b: Any) -> None:

@@ -4,7 +4,6 @@ delivery order, notes, bytes, and slots returned only once their copy's event co
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 from typing import Any
 
@@ -15,44 +14,7 @@ from shmloader import _device
 from shmloader._collate import SlotWriter
 from shmloader._layout import Field, RingGeometry
 from shmloader._ring import _Views
-
-
-class FakeEvent:
-    def __init__(self) -> None:
-        self.done = False
-        self.waited_on = False
-
-    def record(self, stream: Any) -> None:
-        stream.events.append(self)
-
-    def query(self) -> bool:
-        return self.done
-
-    def synchronize(self) -> None:
-        self.done = True
-
-
-class FakeStream:
-    def __init__(self, device: Any = None) -> None:
-        self.events: list[FakeEvent] = []
-
-    def synchronize(self) -> None:
-        for e in self.events:
-            e.done = True
-
-    def wait_event(self, event: FakeEvent) -> None:
-        event.waited_on = True
-
-
-@pytest.fixture
-def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeStream:
-    consumer = FakeStream()
-    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: consumer)
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None, raising=False)
-    return consumer
+from tests.fakes import FakeEvent, FakeStream
 
 
 def ring_with_batches(values: list[int]) -> _Views:
