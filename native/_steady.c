@@ -87,15 +87,16 @@ static PyObject *py_steady_take(PyObject *self, PyObject *const *args, Py_ssize_
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0) return NULL;
     PyObject *out = NULL, *back = NULL;
+    char **hdr = NULL;
     long long gone = 0, code = NOT_READY;
     if (sem_off < 0 || sem_off > view.len - (Py_ssize_t)sizeof(sem_t) || sem_off % 8 != 0) {
         PyErr_SetString(PyExc_ValueError, "steady_take: the semaphore lies outside the buffer");
         goto release;
     }
-    /* The address of every header, checked once. */
-    char *hdr[256];
-    if (n_slots > 256) {
-        PyErr_SetString(PyExc_ValueError, "steady_take: at most 256 slots");
+    /* The address of every header, checked once (as many as the ring has slots). */
+    hdr = PyMem_New(char *, n_slots > 0 ? n_slots : 1);
+    if (hdr == NULL) {
+        PyErr_NoMemory();
         goto release;
     }
     for (Py_ssize_t s = 0; s < n_slots; s++) {
@@ -194,6 +195,7 @@ static PyObject *py_steady_take(PyObject *self, PyObject *const *args, Py_ssize_
 answer:
     out = result(code, banked, gone);
 release:
+    PyMem_Free(hdr);
     Py_XDECREF(back);
     PyBuffer_Release(&view);
     return out;
