@@ -1090,8 +1090,8 @@ class RingIterator(_BaseDataLoaderIter):
         """Return the slots that ``batch`` views to the ring now. Returns how many."""
         if self._ring is None:
             return 0
-        slots = {slot_of(self._ring, leaf) for leaf in leaves_of(batch)}
-        return sum(self._leases.release(s) for s in slots if s is not None)
+        views = [(slot, leaf) for leaf in leaves_of(batch) if (slot := slot_of(self._ring, leaf)) is not None]
+        return self._leases.release_views(views)
 
     def holding(self) -> int:
         return self._leases.holding()

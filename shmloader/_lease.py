@@ -14,10 +14,13 @@ import collections
 import collections.abc
 import io
 import pickle
+import threading
+import weakref
 from typing import Any, Callable
 
 import numpy as np
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _native
 from ._errors import CorruptSlotError
@@ -43,6 +46,10 @@ class Leases:
     def __init__(self) -> None:
         self.bases: dict[int, np.ndarray[Any, Any]] = {}  # also read by _native.steady_take
         self.released: collections.deque[int] = collections.deque()
+        # The memory of every batch released early that is still alive (``memory_key``), so a
+        # second release of it is refused: its slot may be lent to a later batch by then.
+        self._gone: dict[int, Any] = {}
+        self._releasing = threading.Lock()  # (release_views only: never on the per-batch path)
 
     def lend(self, slot: int, base: np.ndarray[Any, Any]) -> None:
         self.bases[slot] = base
@@ -53,6 +60,26 @@ class Leases:
             return False
         self.released.append(slot)
         return True
+
+    def release_views(self, views: list[tuple[int, Any]]) -> int:
+        """Return the slots that ``views`` (slot, tensor or array of a batch) view, now; how many
+        were lent. Raises ValueError, returning none, when any of them was released before:
+        its slot may be lent to a later batch by now, which must not be taken from its holder.
+        Checked and returned under one lock, so two threads releasing one batch return it once."""
+        with self._releasing:
+            self._gone = {key: alive for key, alive in self._gone.items() if alive()}
+            keys = [(slot, view, memory_key(view)) for slot, view in views]
+            for slot, view, (key, _) in keys:
+                if key in self._gone:
+                    what = f"{type(view).__name__} of shape {tuple(view.shape)}"
+                    raise ValueError(
+                        f"release(): this batch was already released (its {what} viewed ring slot {slot}, "
+                        "which may hold a later batch by now); release a batch once, and do not use it after "
+                        "release()"
+                    )
+            count = sum(self.release(slot) for slot in {slot for slot, _ in views})
+            self._gone.update(key for _, _, key in keys)
+            return count
 
     @property
     def returned(self) -> bool:
@@ -74,6 +101,21 @@ class Leases:
     def lent(self) -> set[int]:
         """Slots not yet taken back."""
         return set(self.bases) | set(self.released)
+
+
+def memory_key(view: Any) -> tuple[int, Callable[[], bool]]:
+    """What identifies the memory a batch's tensor or array views for as long as the batch
+    lives, and whether it still lives. A tensor: its storage (each delivered batch has storages
+    of its own; a weak reference keeps the key unique while it is held). An array: the array
+    at the root of its bases (the batch's own, over the slot)."""
+    if isinstance(view, torch.Tensor):
+        ref = StorageWeakRef(view.untyped_storage())  # type: ignore[no-untyped-call]
+        return ref.cdata, lambda: not ref.expired()  # type: ignore[no-untyped-call]
+    root = view
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    alive = weakref.ref(root)
+    return id(root), lambda: alive() is not None
 
 
 class _LeafUnpickler(pickle.Unpickler):

@@ -17,9 +17,10 @@ import torch
 import shmloader
 from shmloader import _consume, _native, _ring, _shm
 from shmloader._layout import DONE
+from shmloader._lease import slot_of
 from shmloader._slots import SlotState
 from tests.conftest import same
-from tests.datasets import Failing, Gated, IndexPid, Pid, Range, Shards, Sized
+from tests.datasets import Blocks, Failing, Gated, IndexPid, Pid, Range, Shards, Sized, check_blocks
 
 
 def test_batches_are_views_of_the_ring_and_return_when_dropped() -> None:
@@ -47,9 +48,76 @@ def test_release_returns_a_slot_now() -> None:
     assert it.holding() == 1
     assert loader.release({"x": [batch]}) == 1
     assert it.holding() == 0
-    assert loader.release(batch) == 0  # already released
+    with pytest.raises(ValueError, match=r"this batch was already released .*slot 0.*release a batch once"):
+        loader.release(batch)
     assert loader.release(torch.zeros(3)) == 0  # not ours
     del batch, it
+
+
+def test_a_second_release_never_takes_a_later_batchs_slot() -> None:
+    # The slot of a released batch is lent again at once; releasing the old batch again must not
+    # free it under the new holder (found by address, it would be).
+    loader = shmloader.DataLoader(Blocks(256, words=64), batch_size=4, num_workers=2)
+    it = iter(loader)
+    first = next(it)
+    assert loader.release(first) == 1
+    for n in range(1, 6):  # until a batch arrives in first's slot (the fifth: 4 were in flight)
+        later = next(it)
+        if slot_of(it._ring, later) == 0:
+            break
+    assert slot_of(it._ring, later) == 0 and slot_of(it._ring, first) == 0
+    for _ in range(2):
+        with pytest.raises(ValueError, match="already released"):
+            loader.release(first)
+        with pytest.raises(ValueError, match="already released"):
+            loader.release([first[1:], later])  # a view of it counts; nothing else in the call is released
+    assert it.holding() == 1
+    check_blocks(later, 4 * n)
+    rest = [next(it) for _ in range(8)]  # the workers write on: the held batch stays as it was
+    for k, batch in enumerate([later, *rest]):
+        check_blocks(batch, 4 * (n + k))
+    del it
+
+
+def test_release_from_another_thread_while_batches_are_lent() -> None:
+    # A training thread keeps every other batch; another thread releases the rest, each twice.
+    # Every second release is refused, and every kept batch is intact to the last word.
+    import queue
+    import threading
+
+    loader = shmloader.DataLoader(Blocks(800, words=256), batch_size=4, num_workers=2, prefetch_factor=4)
+    handed: queue.Queue[Any] = queue.Queue()
+    lent: list[int] = []
+    refused: list[int] = []
+
+    def releaser() -> None:
+        while (batch := handed.get()) is not None:
+            if loader.release(batch) == 0:  # a copy (the ring was all held): nothing to release
+                continue
+            lent.append(1)
+            try:
+                loader.release(batch)
+            except ValueError:
+                refused.append(1)
+
+    thread = threading.Thread(target=releaser)
+    thread.start()
+    kept = []
+    try:
+        for n, batch in enumerate(loader):
+            check_blocks(batch, 4 * n)
+            if n % 2:
+                kept.append((4 * n, batch))
+                del kept[:-3]  # the last three, their slots lent again and again around them
+            else:
+                handed.put(batch)
+            del batch
+            for first, old in kept:
+                check_blocks(old, first)
+    finally:
+        handed.put(None)
+        thread.join()
+    assert n == 199 and len(refused) == len(lent) > 50
 
 
 def test_release_finds_tensors_wherever_the_batch_holds_them() -> None:
