@@ -31,8 +31,9 @@ from ._layout import (CODE_OF_DTYPE, CODE_OF_NP_DTYPE, LEAF_ALIGN, LONE_LEAF, ST
                       TYPED_STORAGE, VIEW, Kind, round_up, table_bytes, view_leaf)
 
 Leaf = tuple[int, int, int, tuple[int, ...]]  # (dtype code, kind, offset, shape)
-# A tensor viewing a leaf's storage: (VIEW, leaf, dtype name, storage offset, size, stride).
-View = tuple[str, int, str, int, tuple[int, ...], tuple[int, ...]]
+# A tensor viewing a leaf's storage: (VIEW, leaf, dtype name, storage offset, size, stride, number);
+# the number tells the tensors of a batch apart (the same one twice is one object, as pickle keeps it).
+View = tuple[str, int, str, int, tuple[int, ...], tuple[int, ...], int]
 _TENSOR, _NUMPY = int(Kind.TENSOR), int(Kind.NUMPY)
 _TENSOR_DTYPES = {dtype: (code, dtype.itemsize) for dtype, code in CODE_OF_DTYPE.items()}
 # A tensor viewing part of a storage brings the whole storage when it spans at least 1/ALIAS_SPAN of it.
@@ -148,7 +149,7 @@ class SlotWriter:
         dtype = str(obj.dtype).removeprefix("torch.")
         for first, last, leaf in self._storages.get(storage._cdata, ()):
             if first <= start and end <= last and (start - first) % itemsize == 0:
-                return (VIEW, leaf, dtype, (start - first) // itemsize, tuple(obj.shape), obj.stride())
+                return (VIEW, leaf, dtype, (start - first) // itemsize, tuple(obj.shape), obj.stride(), len(self._ids))
         nbytes = int(storage.nbytes())
         if start == 0 and end == nbytes and obj.is_contiguous():
             return None
@@ -156,7 +157,8 @@ class SlotWriter:
         # before x still shares x's leaf); otherwise only its span (a row of a dataset-sized
         # tensor is not the dataset).
         lo, hi = (0, nbytes) if nbytes <= ALIAS_SPAN * (end - start) else (start, end)
-        return (VIEW, self._bytes_leaf(storage, lo, hi), dtype, (start - lo) // itemsize, tuple(obj.shape), obj.stride())
+        leaf = self._bytes_leaf(storage, lo, hi)
+        return (VIEW, leaf, dtype, (start - lo) // itemsize, tuple(obj.shape), obj.stride(), len(self._ids))
 
     def _bytes_leaf(self, storage: torch.UntypedStorage, lo: int, hi: int) -> int:
         """A uint8 leaf of ``storage``'s bytes [lo, hi), remembered for the tensors that view them."""

@@ -30,6 +30,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import atexit
 import functools
 import os
 import pickle
@@ -45,13 +46,13 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
 from . import _checkpoint, _device, _native
 from ._dispatch import Dispatcher, as_list, batches_of
-from ._errors import CorruptSlotError, MemoryBudgetError, StopCarrier, WorkerDiedError, raise_worker_error
+from ._errors import CorruptSlotError, MemoryBudgetError, ShmLoaderError, StopCarrier, WorkerDiedError, raise_worker_error
 from ._budget import plan_ring
 from ._layout import DONE, IDLE, N_FIELDS, PAGE, RESIZE_TASK, Counter, Field, Region, RingGeometry, Status, grown_slot_bytes, round_up
 from ._lease import Leases, Where, copy_leaf, leaves_of, lone_args, read_batch, read_dataset_state, read_pickled, slot_of
 from ._overflow import OverflowArena
 from ._pool import WorkerPool
-from ._ring import NOT_INTS, POSTED, Ring, YieldWait
+from ._ring import NOT_INTS, POSTED, Doorbell, Ring, YieldWait
 from ._slots import SlotState, SlotTable, Task
 from ._stats import Counters, RingOccupancy
 from ._worker import WorkerConfig
@@ -73,6 +74,20 @@ _END = object()  # the epoch has ended
 _GROW = object()  # the ring must grow before anything else is dispatched
 _COPY = ("copy",)  # wait for the oldest device copy to complete
 _READY = ("ready",)
+
+
+_live: weakref.WeakSet[RingIterator] = weakref.WeakSet()  # iterators whose workers may run
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """At interpreter exit, before modules are torn down (an iterator a module still holds,
+    a persistent one most often, would otherwise be collected after the modules it needs):
+    stop every live iterator's workers; its last words (its progress, for a checkpoint) are
+    not wanted any more."""
+    for it in list(_live):
+        it.last_words = None
+        it._shutdown_workers()
 
 
 class RingIterator(_BaseDataLoaderIter):
@@ -114,6 +129,7 @@ class RingIterator(_BaseDataLoaderIter):
         self._overflow: dict[int, tuple[Any, int]] = {}  # slot -> (mapping, bytes) granted to its task
         self._piped: dict[int, bytes] = {}  # slot -> its (batch, dataset state), pickled over the pipe
         self._grow_to: int | None = None  # a larger slot size, taken up once the ring drains
+        self._attaching: dict[int, Any] = {}  # workers sent a new ring, not yet attached: worker -> its process
         self._growth_declined = False  # memory_budget had no room to grow; overflow carries large batches
         self._awaiting_room = False  # a grant waits for memory_budget: frees ring the doorbell
         self.pinned = False  # the ring is page-locked (pin_memory=True or device= on CUDA)
@@ -126,7 +142,7 @@ class RingIterator(_BaseDataLoaderIter):
         self._fatal: BaseException | None = None  # what stopped the workers before the epoch ended
         resume: _checkpoint.IterableResume | None = loader._shm_resume_iterable
         ctx = loader.multiprocessing_context or torch.multiprocessing
-        self._doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._doorbell = Doorbell()
         configs = [
             WorkerConfig(
                 worker_id=i,
@@ -145,20 +161,18 @@ class RingIterator(_BaseDataLoaderIter):
             for i in range(self._num_workers)
         ]
         try:
-            self._pool = WorkerPool(ctx, configs, self._doorbell)
+            self._pool = WorkerPool(ctx, configs, self._doorbell.fd)
         except BaseException:
-            os.close(self._doorbell)
+            self._doorbell.close()
             raise
         self._shutdown = False
+        _live.add(self)
         me = weakref.ref(self)
 
-        def room_freed() -> None:
+        def room_freed() -> None:  # (any thread: the one that dropped an overflow batch)
             it = me()
-            if it is not None and it._awaiting_room and not it._shutdown:
-                try:
-                    os.eventfd_write(it._doorbell, 1)
-                except OSError:
-                    pass
+            if it is not None and it._awaiting_room:
+                it._doorbell.ring()  # (a no-op once shut down: the bell is closed)
 
         self._arena.on_free = room_freed
         self._reset(loader, first_iter=True)
@@ -172,6 +186,8 @@ class RingIterator(_BaseDataLoaderIter):
         super()._reset(loader, first_iter)
         self._sampler_iter = batches_of(self._index_sampler)
         self._failed_batches = 0
+        self._pending_error = None  # (an error staged behind batches of an epoch left early is that epoch's)
+        self._raising_batch_error = False
         if not first_iter:
             self._table.new_epoch()
             for slot in [s for s in self._overflow if self._table.state[s] is SlotState.FREE]:
@@ -212,6 +228,8 @@ class RingIterator(_BaseDataLoaderIter):
             self._deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
         if not self._started and not self._sampler_done:
             yield from self._start()
+        if self._attaching:  # a grown ring's wait, cancelled in an async for: before any connection is read
+            yield from self._await_attached()
         while True:
             result = _NOTHING if looked else self._round()
             looked = False
@@ -361,15 +379,7 @@ class RingIterator(_BaseDataLoaderIter):
             if task is None:
                 return
             wid, seq, index = task
-            self._pool.send(wid, ("probe", self._table.epoch, seq, as_list(index)))
-            yield from self._wait_conns([wid])
-            try:
-                _, status, needed, error = self._pool.conns[wid].recv()
-            except (EOFError, OSError):  # it died before it answered: say how
-                self._pool.procs[wid].join(timeout=5)
-                self._shutdown_workers()
-                raise WorkerDiedError(f"{self._pool.death(wid)} before it answered for the first batch (index "
-                                      f"{index!r:.200}), before the ring was set up") from None
+            _, status, needed, error = yield from self._probe(wid, seq, index)
             if status == Status.STOP:
                 self._dispatcher.active[wid] = False
                 self._rcvd_seq = seq + 1  # only exhausted shards came before
@@ -399,16 +409,55 @@ class RingIterator(_BaseDataLoaderIter):
             self.pinned = _device.register_host(ring.mm, ring.geometry.total_bytes)
         elif self._pin_memory:
             _device.warn_unsupported(self._pin_memory_device)
+        self._attaching = dict(enumerate(self._pool.procs))
         for wid in range(self._num_workers):
             pending = -1
             if probe is not None and probe[0] == wid:
                 pending = self._table.dispatch(wid, probe[1], probe[2])
-            self._pool.send(wid, ("ring", ring.geometry, pending), ring.fd)
-        for wid in range(self._num_workers):
-            yield from self._wait_conns([wid])
-            reply = self._pool.conns[wid].recv()
-            assert reply == ("attached",), reply
+            self._pool.send(wid, ("ring", ring.geometry, pending), ring.fd, dead_ok=True)
+        yield from self._await_attached()
         self._started = True
+
+    def _probe(self, wid: int, seq: int, index: Any) -> Generator[tuple[Any, ...], None, tuple[Any, ...]]:
+        """Worker ``wid``'s answer for batch ``seq`` (the epoch's first, made privately to size
+        the ring). A worker that dies first is replaced (within max_worker_restarts: ``_check``)
+        and its replacement asked again."""
+        while True:
+            proc = self._pool.procs[wid]
+            self._pool.send(wid, ("probe", self._table.epoch, seq, as_list(index)), dead_ok=True)
+            while self._pool.procs[wid] is proc and not self._pool.conns[wid].poll():
+                self._check()
+                if self._pool.procs[wid] is proc:
+                    yield ("conns", [wid])
+            if self._pool.procs[wid] is proc:
+                reply = self._pool.recv(wid)
+                if reply is not None:
+                    return tuple(reply)
+                self._check()  # it died as it answered: replaced here, then asked again
+
+    def _await_attached(self) -> Generator[tuple[Any, ...], None, None]:
+        """Wait until every worker sent a new ring (``_attaching``: worker -> its process then)
+        says it attached. A worker that dies meanwhile is replaced by ``_check`` (its
+        replacement maps the ring by itself and says nothing) and no longer waited for. The
+        state lives on the iterator: a wait cancelled by ``async for`` resumes at the next
+        step, before anything else reads a connection."""
+        attaching = self._attaching
+        while attaching:
+            self._check()
+            for wid, proc in list(attaching.items()):
+                if self._pool.procs[wid] is not proc:
+                    del attaching[wid]  # replaced (by the _check above): its successor has the ring
+                elif self._pool.conns[wid].poll():
+                    reply = self._pool.recv(wid)
+                    if reply is None:
+                        continue  # it died as it answered: the next _check replaces it
+                    if reply != ("attached",):
+                        self._shutdown_workers()
+                        raise ShmLoaderError(f"DataLoader worker {wid} answered {reply!r:.200} to a new ring, "
+                                             "expected ('attached',): the setup protocol is broken")
+                    del attaching[wid]
+            if attaching:
+                yield ("conns", sorted(attaching))
 
     def _recover(self, wid: int) -> None:
         """Replace dead worker ``wid`` and dispatch its tasks again, or raise WorkerDiedError.
@@ -424,11 +473,13 @@ class RingIterator(_BaseDataLoaderIter):
         if current:
             slot = next(s for s in table.of_worker(wid) if table.tasks[s].seq == current[0])
             doing = f" while producing batch {current[0]} (index {as_list(table.tasks[slot].index)!r:.200})"
+        elif self._ring is None:
+            doing = " before it answered for the first batch, before the ring was set up"
         used = self._counters.worker_restarts
         reason = None
-        if not self._started:
-            reason = "it died while the ring was being set up"
-        elif self._iterable and not _checkpoint.has_state(self._dataset):
+        if self._started and self._iterable and not _checkpoint.has_state(self._dataset):
+            # (before the start, a worker has made at most the first batch, privately: its
+            # replacement makes it again from the shard's start)
             reason = ("an IterableDataset worker cannot be replaced without repeating or losing its shard; "
                       "give the dataset state_dict() and load_state_dict() to make its workers replaceable")
         elif used >= self._max_restarts:
@@ -437,14 +488,21 @@ class RingIterator(_BaseDataLoaderIter):
             hint = (" If it ran out of memory, lower batch_size, num_workers or prefetch_factor; to tolerate "
                     "more deaths raise max_worker_restarts." if self._pool.killed(wid) else "")
             raise WorkerDiedError(f"{self._pool.death(wid)}{doing}; {reason}.{hint}")
-        assert self._ring is not None
         self._counters.worker_restarts += 1
+        if self._ring is None:  # it died probing the first batch: a fresh worker, which _probe asks again
+            self._pool.restart(wid, self._doorbell.fd)
+            return
+        # It may have published a slot DONE and died before posting its token: a slot found
+        # DONE for another worker's token leaves that worker's slot with no token to come. One
+        # more banked token makes _collect look again; a surplus one only makes it look once
+        # more later (a token means "look for DONE slots", never "this slot is done").
+        self._banked += 1
         orphans = table.orphans(wid)
         for slot, _ in orphans:
             self._drop_overflow(slot)
         self._ring.renew_queue(wid)
         shard = (self._shard_state(wid), table.epoch) if self._iterable else None
-        self._pool.replace(wid, self._ring, self._doorbell, shard)
+        self._pool.replace(wid, self._ring, self._doorbell.fd, shard)
         for slot, task in orphans:  # to its replacement: the batch -> worker assignment stays torch's
             if task.epoch == table.epoch:
                 table.redispatch(slot, task, wid)
@@ -472,11 +530,6 @@ class RingIterator(_BaseDataLoaderIter):
             return self.dataset_states[wid]
         # The iterator's first epoch may have begun from a checkpoint: the state it was given.
         return self._pool.configs[wid].dataset_state if self._table.epoch == 0 else b""
-
-    def _wait_conns(self, wids: list[int]) -> Generator[tuple[Any, ...], None, None]:
-        while not all(self._pool.conns[w].poll() for w in wids):
-            self._check()
-            yield ("conns", wids)
 
     def _submit(self, slot: int, wid: int, seq: int, index: Any) -> None:
         """Write task ``seq`` into ``slot`` and wake worker ``wid``: one native call when its
@@ -570,9 +623,9 @@ class RingIterator(_BaseDataLoaderIter):
             else:
                 payload = None
                 if hdr[_REGION] == _PIPE:
-                    try:  # the worker sends it after publishing: read it now, in the pipe's order
-                        payload = self._pool.conns[task.worker].recv_bytes()
-                    except (EOFError, OSError):
+                    # the worker sends it after publishing: read it now, in the pipe's order
+                    payload = self._pool.recv(task.worker, raw=True)
+                    if payload is None:
                         continue  # it died mid-send: its tasks are dispatched again
                 if table.done(slot) is None:
                     self._drop_overflow(slot)
@@ -701,38 +754,31 @@ class RingIterator(_BaseDataLoaderIter):
             self._growth_declined = True
             return
         ring = Ring(g)
-        if self.pinned:
-            _device.register_host(ring.mm, g.total_bytes)
-        self._ring = ring  # a worker replaced from here on inherits the new ring
-        procs = list(self._pool.procs)
-        for wid in range(self._num_workers):
-            # One that died already (unseen: liveness is checked before sleeping) is replaced
-            # by the _check() below, on the new ring: it is then no longer waited for.
-            self._pool.send(wid, ("ring", -1, ring.geometry), ring.fd, dead_ok=True)
-            old.push_task(wid, RESIZE_TASK)
-        waiting = set(range(self._num_workers))
-        while True:
-            self._check()  # a worker that died is replaced here, and its replacement inherits the new ring
-            for wid in sorted(waiting):
-                if self._pool.procs[wid] is not procs[wid]:
-                    waiting.discard(wid)
-                elif self._pool.conns[wid].poll():
-                    try:
-                        reply = self._pool.conns[wid].recv()
-                    except (EOFError, OSError):
-                        continue  # it died just now: replaced by the next _check()
-                    assert reply == ("attached",), reply
-                    waiting.discard(wid)
-            if not waiting:
-                break
-            yield ("conns", sorted(waiting))
-        old.close()
-        if held:
-            self._arena.retire(old.mm, held)
+        try:
+            if self.pinned:
+                _device.register_host(ring.mm, g.total_bytes)
+        except BaseException:
+            ring.close()
+            raise
+        # The new ring is the iterator's from here on, with its slot table, leases and one-tensor
+        # view, in one step (nothing was in flight: the old ring drained). A worker replaced from
+        # here on inherits it. The old ring is closed whatever happens next.
+        self._ring, self._leases = ring, Leases()
         self._table = SlotTable(g.num_slots, self._num_workers, self._table.epoch)
-        self._leases = Leases()
         self._lone = None if self._iterable else lone_args(ring, g.num_slots)
-        self._counters.ring_growths += 1
+        self._attaching = dict(enumerate(self._pool.procs))
+        try:
+            for wid in range(self._num_workers):
+                # One that died already (unseen: liveness is checked before sleeping) is replaced
+                # by _await_attached's _check, on the new ring: it is then no longer waited for.
+                self._pool.send(wid, ("ring", -1, ring.geometry), ring.fd, dead_ok=True)
+                old.push_task(wid, RESIZE_TASK)
+        finally:
+            old.close()
+            if held:
+                self._arena.retire(old.mm, held)
+            self._counters.ring_growths += 1
+        yield from self._await_attached()
 
     # ------------------------------------------------------------ delivery
     def _take_next(self) -> int | None:
@@ -853,7 +899,8 @@ class RingIterator(_BaseDataLoaderIter):
         # torch's __next__ without the record_function scope, which costs more than
         # a small batch's whole transport when no profiler is listening.
         if (self._lone is None or not self._started or self._shutdown or not self._in_order or self._overflow
-                or self._stager is not None or self._pending_error is not None or self._timeout > 0):
+                or self._stager is not None or self._pending_error is not None or self._timeout > 0
+                or self._attaching):
             data = self._next_data()
             self._count_yield()
             return data
@@ -922,7 +969,8 @@ class RingIterator(_BaseDataLoaderIter):
         try:
             # The steady state (started, running, nothing staged or pending): in order, _steady
             # (its waits included); otherwise one _round. The generator only when they say so.
-            looked = self._started and not self._shutdown and self._stager is None and self._pending_error is None
+            looked = (self._started and not self._shutdown and self._stager is None and self._pending_error is None
+                      and not self._attaching)
             result = _NOTHING
             if looked:
                 self._deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
@@ -975,11 +1023,18 @@ class RingIterator(_BaseDataLoaderIter):
             if self._yield_for_ready():
                 return
             self._check()  # only before sleeping: a batch that came while yielding needs no waitpid
-            if self._ring.take_ready(CHECK_S):  # a signal's handler (Ctrl-C) raises through it
+            if self._ring.take_ready(self._sleep_s()):  # a signal's handler (Ctrl-C) raises through it
                 self._banked += 1
         else:
             conns = [self._pool.conns[w] for w in request[1]]
-            mp_connection.wait(conns + self._pool.sentinels, CHECK_S)
+            mp_connection.wait(conns + self._pool.sentinels, self._sleep_s())
+
+    def _sleep_s(self) -> float:
+        """How long a sync wait may sleep before it looks again: CHECK_S (worker deaths are
+        seen within it), never past the user's ``timeout``."""
+        if self._deadline is None:
+            return CHECK_S
+        return max(0.0, min(CHECK_S, self._deadline - time.monotonic()))
 
     def _yield_for_ready(self) -> bool:
         """Before sleeping on the ready semaphore, yield the CPU and look again (``YieldWait``);
@@ -1039,15 +1094,12 @@ class RingIterator(_BaseDataLoaderIter):
             ring = self._ring
             assert ring is not None
             ring.want_doorbell(True)  # workers ring the doorbell only while we wait on it
-            try:  # drain before the last check, so a post after the check still wakes us
-                os.eventfd_read(self._doorbell)
-            except BlockingIOError:
-                pass
+            self._doorbell.drain()  # before the last look, so a post after the look still wakes us
             if ring.take_ready(0):
                 ring.want_doorbell(False)
                 self._banked += 1
                 return
-            fds = [self._doorbell]
+            fds = [self._doorbell.fd]
         else:
             fds = [self._pool.conns[w].fileno() for w in request[1]]
         fds += self._pool.sentinels
@@ -1135,7 +1187,7 @@ class RingIterator(_BaseDataLoaderIter):
         finally:
             if self._ring is not None:
                 self._ring.close()
-            os.close(self._doorbell)
+            self._doorbell.close()
 
     def __del__(self) -> None:
         last_words = getattr(self, "last_words", None)

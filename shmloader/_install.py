@@ -191,17 +191,47 @@ def _get_iterator(loader: Any) -> Any:
     return it
 
 
+# Where wrappers keep the loader they wrap: Ray Train's prepare_data_loader (``_dataloader``, or
+# ``dataloader`` in older Rays), Lightning's and others' (``loader``, ``base_dataloader``...).
+_WRAPPED = ("_dataloader", "dataloader", "base_dataloader", "_loader", "loader", "__wrapped__")
+
+
+def _ring_loader(loader: Any) -> tuple[Any | None, list[Any]]:
+    """The loader that used the ring: ``loader``, or the one it wraps (a few levels down), and
+    the chain of objects looked at."""
+    chain = [loader]
+    while len(chain) <= 4:
+        current = chain[-1]
+        if isinstance(current, DataLoader) or getattr(current, "_shm_counters", None) is not None:
+            return current, chain
+        inner = next((getattr(current, name) for name in _WRAPPED
+                      if getattr(current, name, None) is not None and getattr(current, name) is not current), None)
+        if inner is None or any(inner is seen for seen in chain):
+            break
+        chain.append(inner)
+    return None, chain
+
+
 def stats(loader: Any) -> LoaderStats:
     """``loader.stats()`` for any loader that uses the ring: a shmloader.DataLoader, or torch's
-    (or a framework's subclass of it) iterated under ``install()``."""
-    if isinstance(loader, DataLoader):
-        return loader.stats()
-    if getattr(loader, "_shm_counters", None) is None:
-        raise ValueError(
-            f"{type(loader).__module__}.{type(loader).__qualname__} has not used a shmloader ring: "
-            "build it as shmloader.DataLoader, or call shmloader.install() before it is iterated "
-            "(with num_workers > 0)"
-        )
+    (or a framework's subclass of it) iterated under ``install()``, or a wrapper of one (Ray
+    Train's ``prepare_data_loader``)."""
+    found, chain = _ring_loader(loader)
+    if isinstance(found, DataLoader):
+        return found.stats()
+    if found is None:
+        names = " wrapping ".join(f"{type(x).__module__}.{type(x).__qualname__}" for x in chain)
+        last = chain[-1]
+        if isinstance(last, torch.utils.data.DataLoader) and last.num_workers == 0:
+            why = "it has num_workers=0, so it loads batches in this process without a ring"
+        elif isinstance(last, torch.utils.data.DataLoader):
+            why = ("it has not been iterated under shmloader.install() yet: call shmloader.install() before the "
+                   "loop starts, or build it as shmloader.DataLoader")
+        else:
+            why = (f"it is not a DataLoader and keeps none under {', '.join('.' + n for n in _WRAPPED)}: pass the "
+                   "DataLoader it wraps")
+        raise ValueError(f"{names} has not used a shmloader ring: {why}")
+    loader = found
     ref = _current.get(loader)
     it = None if ref is None else ref()
     return stats_of(loader, None if it is None or it.shut_down else it)

@@ -72,9 +72,19 @@ class Field:
 N_FIELDS: Final = 16
 # The fields _native.read_slot and _native.take_task read, and _native.post_task writes (STATE is
 # field 0) (fixed in native/): checked here, once.
-assert (Field.TABLE_OFF, Field.TABLE_LEN, Field.PICKLED_OFF, Field.PICKLED_LEN) == _native.READ_SLOT_FIELDS
-assert (Field.EPOCH, Field.SEQ, Field.TASK_LEN) == _native.TAKE_TASK_FIELDS and Field.STATE == 0
-assert N_FIELDS == _native.N_HEADER_FIELDS
+def _agree(what: str, python: object, native: object) -> None:
+    """The layout as Python writes it and as the extension reads it must agree (checked at
+    import, also under ``python -O``): a stale build of native/ would read other fields."""
+    if python != native:
+        raise ImportError(f"shmloader._native was built for another slot layout ({what}: {native!r} in C, "
+                          f"{python!r} here); rebuild it (pip install -e . / make test)")
+
+
+_agree("read_slot's fields", (Field.TABLE_OFF, Field.TABLE_LEN, Field.PICKLED_OFF, Field.PICKLED_LEN),
+       _native.READ_SLOT_FIELDS)
+_agree("take_task's fields and STATE", (Field.EPOCH, Field.SEQ, Field.TASK_LEN, Field.STATE),
+       (*_native.TAKE_TASK_FIELDS, 0))
+_agree("header fields", N_FIELDS, _native.N_HEADER_FIELDS)
 
 
 class Counter:
@@ -87,7 +97,7 @@ class Counter:
 
 N_COUNTERS: Final = 4
 IDLE: Final = 0
-assert IDLE == _native.STATE_IDLE  # what _native.post_task stores in STATE
+_agree("IDLE, the STATE post_task stores", IDLE, _native.STATE_IDLE)
 DONE: Final = 1
 RESIZE_TASK: Final = -2  # a task-queue entry: attach to the new ring the setup connection carries
 STOP_TASK: Final = -1  # a task-queue entry: exit
@@ -155,7 +165,8 @@ LONE_LEAF: Final = b"\x80\x05\x95\x04\x00\x00\x00\x00\x00\x00\x00K\x00Q."
 STORAGE: Final = "storage"
 TYPED_STORAGE: Final = "typed_storage"
 # A tensor that views a storage (a slice, a transpose, one of several views of one tensor):
-# (VIEW, leaf, dtype name, storage offset, size, stride) over the storage of that leaf's bytes.
+# (VIEW, leaf, dtype name, storage offset, size, stride, number) over the storage of that leaf's
+# bytes; the number tells the batch's tensors apart.
 VIEW: Final = "view"
 
 

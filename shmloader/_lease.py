@@ -122,12 +122,16 @@ class _LeafUnpickler(pickle.Unpickler):
     def __init__(self, data: bytes, leaves: list[Any]) -> None:
         super().__init__(io.BytesIO(data))
         self._leaves = leaves
+        self._views: dict[Any, torch.Tensor] = {}
 
     def persistent_load(self, pid: Any) -> Any:
         if type(pid) is int and 0 <= pid < len(self._leaves):
             return self._leaves[pid]
-        if type(pid) is tuple and len(pid) == 6 and pid[0] == VIEW:
-            return self._view(*pid[1:])
+        if type(pid) is tuple and len(pid) == 7 and pid[0] == VIEW:
+            view = self._views.get(pid[6])  # (the same tensor twice in the batch: one object)
+            if view is None:
+                view = self._views[pid[6]] = self._view(*pid[1:6])
+            return view
         if type(pid) is tuple and len(pid) in (2, 3) and type(pid[1]) is int and 0 <= pid[1] < len(self._leaves):
             leaf = self._leaves[pid[1]]  # a storage: its bytes' leaf (uint8), handed back as a storage of it
             if type(leaf) is torch.Tensor and leaf.dtype is torch.uint8 and leaf.dim() == 1:

@@ -10,12 +10,13 @@ import time
 from multiprocessing import reduction
 from typing import Any
 
-from ._errors import WorkerDiedError
+from ._errors import ShmLoaderError, WorkerDiedError
 from ._layout import STOP_TASK
 from ._ring import Ring
 from ._worker import InheritedFd, WorkerConfig, worker_main, worker_replacement
 
 JOIN_GRACE_S = 0.5  # a worker stuck in user code is terminated after this
+DEATH_GRACE_S = 5.0  # a worker whose connection broke has this long to exit before it is an error
 
 
 class WorkerPool:
@@ -27,18 +28,22 @@ class WorkerPool:
         self.stopped = False
         try:
             for cfg in configs:
-                parent_end, child_end = ctx.Pipe(duplex=True)
-                proc = ctx.Process(
-                    target=worker_main, args=(cfg, child_end, InheritedFd(doorbell)), daemon=True,
-                    name=f"shmloader-worker-{cfg.worker_id}",
-                )
-                proc.start()
-                child_end.close()
+                proc, conn = self._start(cfg, doorbell)
                 self.procs.append(proc)
-                self.conns.append(parent_end)
+                self.conns.append(conn)
         except BaseException:
             self.stop()
             raise
+
+    def _start(self, cfg: WorkerConfig, doorbell: int) -> tuple[Any, Any]:
+        parent_end, child_end = self.ctx.Pipe(duplex=True)
+        proc = self.ctx.Process(
+            target=worker_main, args=(cfg, child_end, InheritedFd(doorbell)), daemon=True,
+            name=f"shmloader-worker-{cfg.worker_id}",
+        )
+        proc.start()
+        child_end.close()
+        return proc, parent_end
 
     @property
     def sentinels(self) -> list[int]:
@@ -74,6 +79,13 @@ class WorkerPool:
                 f"{self.death(wid)} unexpectedly. If it ran out of memory, lower batch_size, "
                 "num_workers or prefetch_factor."
             )
+
+    def restart(self, wid: int, doorbell: int) -> None:
+        """Start worker ``wid`` afresh (it died before a ring existed: while it was probing the
+        first batch), with a new connection; it begins with the setup protocol again."""
+        self.procs[wid].join()
+        self.conns[wid].close()
+        self.procs[wid], self.conns[wid] = self._start(self.configs[wid], doorbell)
 
     def replace(self, wid: int, ring: Ring, doorbell: int, dataset_state: tuple[bytes, int] | None = None) -> None:
         """Start a new worker ``wid`` (same start method) that maps the ring through its fd, with
@@ -118,12 +130,29 @@ class WorkerPool:
             return False
         return True
 
-    def _dead_or_raise(self, wid: int, error: OSError) -> None:
+    def recv(self, wid: int, raw: bool = False) -> Any:
+        """The next message from worker ``wid`` (its bytes with ``raw``), or None when the worker
+        died (its end of the connection closed with it): the consumer's next liveness check
+        replaces it and dispatches its tasks again. A connection that broke while the worker
+        still runs is an error (ShmLoaderError), never taken for a death."""
+        try:
+            return self.conns[wid].recv_bytes() if raw else self.conns[wid].recv()
+        except (EOFError, OSError) as error:
+            self._dead_or_raise(wid, error)
+            return None
+
+    def _dead_or_raise(self, wid: int, error: BaseException) -> None:
         """The connection to ``wid`` broke (``error``): it is exiting (it closed its end), so
         wait for it; one still alive after that is an error, raised."""
-        self.procs[wid].join(timeout=5.0)
-        if self.procs[wid].exitcode is None:
-            raise error
+        proc = self.procs[wid]
+        proc.join(timeout=DEATH_GRACE_S)
+        if proc.exitcode is None:
+            raise ShmLoaderError(
+                f"the connection to DataLoader worker {wid} (pid {proc.pid}) broke ({type(error).__name__}: "
+                f"{error}) while the worker still runs; something in the worker closed or wrote to the "
+                "loader's pipe (a library closing inherited file descriptors?). Start a new epoch with "
+                "iter(loader)."
+            ) from error
 
     def stop(self, ring: Any = None) -> None:
         """Ask every worker to stop, wait briefly, then terminate stragglers. Idempotent."""

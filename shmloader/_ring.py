@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,39 @@ class YieldWait:
             return True
         self.bound = max(self.least, bound // 2)
         return False
+
+
+class Doorbell:
+    """The eventfd an ``async for`` waits on: workers write it when they publish while the
+    doorbell flag in the segment is set (they got the fd when they started); the main process
+    writes it when a freed overflow batch makes room in ``memory_budget``, from whatever thread
+    dropped that batch (a garbage-collection callback). Invariant: nobody writes the fd after
+    ``close`` (a write to a closed number could land on a descriptor opened since): ``ring``
+    and ``close`` hold one lock, and ``close`` marks the bell closed before it closes the fd.
+    (Reentrant: a callback may run in the thread that is closing it.)"""
+
+    def __init__(self) -> None:
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._lock = threading.RLock()
+        self._closed = False
+
+    def ring(self) -> None:
+        with self._lock:
+            if not self._closed:
+                os.eventfd_write(self.fd, 1)
+
+    def drain(self) -> None:
+        """Forget the rings so far (the consumer looks for ready slots right after)."""
+        try:
+            os.eventfd_read(self.fd)
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                os.close(self.fd)
 
 
 class _Views:

@@ -59,11 +59,39 @@ def test_errors_and_variable_batches_are_torchs_under_install(ring: None) -> Non
 def test_no_workers_and_shmloaders_own_options_are_left_alone(ring: None) -> None:
     plain = tud.DataLoader(Range(8), batch_size=2)
     assert [b.tolist() for b in plain] == [[[0], [1]], [[2], [3]], [[4], [5]], [[6], [7]]]
-    with pytest.raises(ValueError, match="has not used a shmloader ring"):
+    with pytest.raises(ValueError, match="has not used a shmloader ring: it has num_workers=0"):
         shmloader.stats(plain)
     own = shmloader.DataLoader(Range(8), batch_size=2, num_workers=2, max_worker_restarts=9)
     list(own)
     assert own.max_worker_restarts == 9 and shmloader.stats(own).batches == 4
+
+
+class PreparedLoader(tud.DataLoader):  # type: ignore[type-arg]
+    """What Ray Train's ``prepare_data_loader`` returns (ray.train.torch's _WrappedDataLoader):
+    a DataLoader subclass with a copy of the loader's attributes as they were when it was
+    wrapped, which iterates the wrapped loader (ray is not a test dependency)."""
+
+    def __init__(self, base: tud.DataLoader) -> None:  # type: ignore[type-arg]
+        self.__dict__.update(getattr(base, "__dict__", {}))
+        self._dataloader = base
+
+    def __len__(self) -> int:
+        return len(self._dataloader)
+
+    def __iter__(self) -> Any:
+        yield from self._dataloader
+
+
+def test_stats_find_the_ring_through_a_wrapper(ring: None) -> None:
+    prepared = PreparedLoader(tud.DataLoader(Range(8), batch_size=2, num_workers=2))
+    assert [b.tolist() for b in prepared] == [[[0], [1]], [[2], [3]], [[4], [5]], [[6], [7]]]
+    assert shmloader.stats(prepared).batches == 4
+    idle = PreparedLoader(tud.DataLoader(Range(8), batch_size=2, num_workers=2))
+    with pytest.raises(ValueError, match=r"test_install.PreparedLoader wrapping torch.utils.data.dataloader.DataLoader "
+                                         r"has not used a shmloader ring: it has not been iterated under"):
+        shmloader.stats(idle)
+    with pytest.raises(ValueError, match=r"builtins.list has not used a shmloader ring: it is not a DataLoader"):
+        shmloader.stats([1, 2])
 
 
 def test_options_are_validated_like_shmloaders() -> None:

@@ -68,7 +68,10 @@ def test_custom_batches_round_trip(copy: bool) -> None:
         "shared": [base, base],
     }
     out, _ = round_trip(batch, fused=False, copy=copy)
-    assert out["noncontig"].is_contiguous()
+    # Views of one tensor stay views of one storage, with their own strides (torch's batches too)
+    assert out["noncontig"].stride() == (1, 6) and out["strided"].stride() == (6, 2)
+    storage = out["shared"][0].untyped_storage().data_ptr()
+    assert out["noncontig"].untyped_storage().data_ptr() == out["strided"].untyped_storage().data_ptr() == storage
     for key in ("noncontig", "strided", "zero_dim", "empty"):
         same(out[key], batch[key].contiguous())
     same(out["np"], batch["np"])

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from shmloader._errors import WorkerDiedError
+from shmloader._errors import ShmLoaderError, WorkerDiedError
 from shmloader._pool import WorkerPool
 
 
@@ -86,5 +86,26 @@ def test_a_message_to_a_dead_worker_is_left_to_recovery_or_raised() -> None:
     pool_of(Exited()).send_memory(0, 0, 4096, fd=-1)  # nothing raised, no descriptor sent
     with pytest.raises(WorkerDiedError, match="killed by signal SIGKILL"):
         pool_of(Exited()).send(0, ("index", 0, b""))
-    with pytest.raises(BrokenPipeError):  # alive with a broken connection: not a death to recover from
-        pool_of(Alive()).send(0, ("index", 0, b""), dead_ok=True)
+    with pytest.raises(ShmLoaderError, match=r"connection to DataLoader worker 0 \(pid -1\) broke \(BrokenPipeError: "
+                                             r".*while the worker still runs") as raised:
+        pool_of(Alive()).send(0, ("index", 0, b""), dead_ok=True)  # alive: not a death to recover from
+    assert isinstance(raised.value.__cause__, BrokenPipeError)
+
+
+class Hangs(Conn):
+    def recv(self) -> Any:
+        raise EOFError
+
+    def recv_bytes(self) -> bytes:
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+
+def test_a_read_from_a_broken_connection_is_a_death_only_if_the_worker_died(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("shmloader._pool.DEATH_GRACE_S", 0.0)
+    for raw in (False, True):
+        pool = pool_of(Exited())
+        pool.conns = [Hangs()]
+        assert pool.recv(0, raw) is None  # dead: the consumer's liveness check replaces it
+        pool.procs = [Alive()]
+        with pytest.raises(ShmLoaderError, match="while the worker still runs"):
+            pool.recv(0, raw)
