@@ -1,7 +1,7 @@
 /*
  * shmloader._native: the slot header codec (synchronisation: native/_sync.c; the read
- * path of shmloader.share(): native/_share.c; the consumer's steady state:
- * native/_steady.c).
+ * path of shmloader.share(): native/_share.c; the slot table and the consumer's per-batch
+ * step: native/_schedule.c; the layout they share: native/_layout.h).
  *
  * A slot's leaf table lists every array the worker wrote into the slot's data
  * region: dtype code, kind (torch tensor or numpy array), byte offset, byte
@@ -23,6 +23,8 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "_layout.h"
 
 #define TABLE_MAGIC 0x544C4853u /* "SHLT" little-endian */
 #define MAX_NDIM 64 /* torch's limit */
@@ -266,13 +268,6 @@ static PyObject *decode_table(PyObject *self, PyObject *args) {
     PyBuffer_Release(&view);
     return out;
 }
-
-/* The header fields read_slot uses (shmloader/_layout.py's Field; checked there at import). */
-#define F_TABLE_OFF 6
-#define F_TABLE_LEN 7
-#define F_PICKLED_OFF 8
-#define F_PICKLED_LEN 9
-#define N_HEADER_FIELDS 16
 
 PyDoc_STRVAR(read_slot_doc,
 "read_slot($module, ring, header, memory, data, cap, lone, /)\n"
@@ -567,17 +562,34 @@ static int add_itemsizes(PyObject *m) {
     return PyModule_AddObject(m, "ITEMSIZES", t) < 0 ? (Py_DECREF(t), -1) : 0;
 }
 
+/* LAYOUT: native/_layout.h's names and values, for shmloader/_layout.py to check its own against. */
+static int add_layout(PyObject *m) {
+    PyObject *d = PyDict_New();
+    if (d == NULL) return -1;
+#define ADD_NAME(name)                                                 \
+    {                                                                  \
+        PyObject *v = PyLong_FromLong(name);                           \
+        if (v == NULL || PyDict_SetItemString(d, #name, v) < 0) {      \
+            Py_XDECREF(v);                                             \
+            Py_DECREF(d);                                              \
+            return -1;                                                 \
+        }                                                              \
+        Py_DECREF(v);                                                  \
+    }
+    SHMLOADER_LAYOUT_NAMES(ADD_NAME)
+#undef ADD_NAME
+    return PyModule_AddObject(m, "LAYOUT", d) < 0 ? (Py_DECREF(d), -1) : 0;
+}
+
 extern PyMethodDef shmloader_sync_methods[]; /* native/_sync.c */
-extern PyMethodDef shmloader_steady_methods[]; /* native/_steady.c */
 extern const int shmloader_sem_stride;
-extern const int shmloader_task_fields[3];
-extern const int shmloader_state_idle;
 int shmloader_share_init(PyObject *module); /* native/_share.c */
+int shmloader_schedule_init(PyObject *module); /* native/_schedule.c */
 
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    if (PyModule_AddFunctions(m, shmloader_sync_methods) < 0 || PyModule_AddFunctions(m, shmloader_steady_methods) < 0 ||
+    if (PyModule_AddFunctions(m, shmloader_sync_methods) < 0 ||
         PyModule_AddIntConstant(m, "SEM_STRIDE", shmloader_sem_stride) < 0 ||
         PyModule_AddIntConstant(m, "N_CODES", N_CODES) < 0 ||
         PyModule_AddIntConstant(m, "LEAF_ALIGN", LEAF_ALIGN) < 0 ||
@@ -585,13 +597,7 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddIntConstant(m, "N_KINDS", N_KINDS) < 0 ||
         PyModule_AddIntConstant(m, "TABLE_HEAD", TABLE_HEAD) < 0 ||
         PyModule_AddIntConstant(m, "ENTRY_FIXED", ENTRY_FIXED) < 0 ||
-        PyModule_AddIntConstant(m, "N_HEADER_FIELDS", N_HEADER_FIELDS) < 0 ||
-        PyModule_AddIntConstant(m, "STATE_IDLE", shmloader_state_idle) < 0 ||
-        PyModule_AddObject(m, "READ_SLOT_FIELDS", Py_BuildValue("(iiii)", F_TABLE_OFF, F_TABLE_LEN, F_PICKLED_OFF,
-                                                                  F_PICKLED_LEN)) < 0 ||
-        PyModule_AddObject(m, "TAKE_TASK_FIELDS", Py_BuildValue("(iii)", shmloader_task_fields[0],
-                                                                  shmloader_task_fields[1], shmloader_task_fields[2])) < 0 ||
-        add_itemsizes(m) < 0 || shmloader_share_init(m) < 0) {
+        add_layout(m) < 0 || add_itemsizes(m) < 0 || shmloader_share_init(m) < 0 || shmloader_schedule_init(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

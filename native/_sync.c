@@ -21,13 +21,9 @@
 #include <string.h>
 #include <time.h>
 
+#include "_layout.h"
+
 #define SEM_STRIDE 64 /* bytes reserved per semaphore in the control area */
-/* The task's header fields post_task writes and take_task reads, after STATE (field 0)
-   (shmloader._layout.Field checks them at import). */
-#define F_EPOCH 1
-#define F_SEQ 2
-#define F_TASK_LEN 3
-#define STATE_IDLE 0 /* STATE while a task is pending: shmloader._layout.IDLE */
 _Static_assert(sizeof(sem_t) <= SEM_STRIDE, "sem_t must fit its reserved bytes");
 
 /* The address at `offset` in a writable buffer, for an object of `size` bytes aligned to
@@ -264,63 +260,42 @@ static int store_range(PyObject *r, char *dst, Py_ssize_t n, int fit) {
     return 1;
 }
 
-/* Not static: native/_steady.c's dispatch_next posts through it. */
-PyObject *shmloader_post_task(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Py_ssize_t header, data, cap, entry, sem_off;
-    long long epoch, seq, slot;
-    Py_buffer view;
-    if (!nargs_is("post_task", nargs, 11) || !as_ssize(args[1], &header) || !as_ssize(args[6], &data) ||
-        !as_ssize(args[7], &cap) || !as_ssize(args[8], &entry) || !as_ssize(args[10], &sem_off))
-        return NULL;
-    if (((epoch = PyLong_AsLongLong(args[2])) == -1 && PyErr_Occurred()) ||
-        ((seq = PyLong_AsLongLong(args[3])) == -1 && PyErr_Occurred()) ||
-        ((slot = PyLong_AsLongLong(args[9])) == -1 && PyErr_Occurred()))
-        return NULL;
-    int pickled = PyObject_IsTrue(args[5]);
-    if (pickled < 0) return NULL;
-    PyObject *index = args[4];
+/* post_task over a writable buffer the caller holds (native/_schedule.c's step posts through
+   it): 1 posted, 0 the index does not fit, -1 not a list or range of int64 ints (nothing written
+   in either case), -2 an error (an exception is set). */
+int shmloader_write_task(Py_buffer *view, Py_ssize_t header, int64_t epoch, int64_t seq, PyObject *index,
+                         int pickled, Py_ssize_t data, Py_ssize_t cap, Py_ssize_t entry, int64_t slot,
+                         Py_ssize_t sem_off) {
     int is_range = !pickled && PyRange_Check(index);
     if (pickled ? !PyBytes_Check(index) : !(PyList_CheckExact(index) || is_range)) {
         if (pickled) {
             PyErr_SetString(PyExc_TypeError, "post_task: a pickled index must be bytes");
-            return NULL;
+            return -2;
         }
-        return PyLong_FromLong(-1);
+        return -1;
     }
-    char *h = at(args[0], &view, header, (F_TASK_LEN + 1) * 8, 8);
-    if (h == NULL) return NULL;
-    PyObject *result = NULL;
-    if (!fits(&view, sem_off, SEM_STRIDE) || !fits(&view, entry, 8) || cap < 0 || data < 0 || data > view.len - cap) {
+    if (!fits(view, header, (F_TASK_LEN + 1) * 8) || !fits(view, sem_off, SEM_STRIDE) || !fits(view, entry, 8) ||
+        cap < 0 || data < 0 || data > view->len - cap) {
         PyErr_SetString(PyExc_ValueError, "post_task: an offset lies outside the buffer or is misaligned");
-        goto release;
+        return -2;
     }
-    char *dst = (char *)view.buf + data;
+    char *dst = (char *)view->buf + data;
     int64_t task_len;
     if (pickled) {
         Py_ssize_t n = PyBytes_GET_SIZE(index);
-        if (n > cap) {
-            result = PyLong_FromLong(0);
-            goto release;
-        }
+        if (n > cap) return 0;
         memcpy(dst, PyBytes_AS_STRING(index), (size_t)n);
         task_len = n;
     } else if (is_range) {
         Py_ssize_t n = PyObject_Size(index);
         if (n < 0) {  /* a range too long for a size: never a batch's */
             PyErr_Clear();
-            result = PyLong_FromLong(-1);
-            goto release;
+            return -1;
         }
         int fit = n <= cap / 8;
         int stored = store_range(index, dst, n, fit);
-        if (stored <= 0) {
-            if (stored == 0) result = PyLong_FromLong(-1);
-            goto release;
-        }
-        if (!fit) {
-            result = PyLong_FromLong(0);
-            goto release;
-        }
+        if (stored <= 0) return stored == 0 ? -1 : -2;
+        if (!fit) return 0;
         task_len = -2 - (int64_t)n;
     } else {
         /* -1 for any list that is not all int64 ints, whatever its size, so the caller's pickle
@@ -333,35 +308,45 @@ PyObject *shmloader_post_task(PyObject *self, PyObject *const *args, Py_ssize_t 
             PyObject *item = PyList_GET_ITEM(index, i);
             int overflow = 0;
             long long v = 0;
-            if (!PyLong_CheckExact(item) || (v = PyLong_AsLongLongAndOverflow(item, &overflow), overflow)) {
-                result = PyLong_FromLong(-1);
-                goto release;
-            }
+            if (!PyLong_CheckExact(item) || (v = PyLong_AsLongLongAndOverflow(item, &overflow), overflow)) return -1;
             if (fit) {
                 int64_t v64 = (int64_t)v;
                 memcpy(dst + 8 * i, &v64, 8);
             }
         }
-        if (!fit) {
-            result = PyLong_FromLong(0);
-            goto release;
-        }
+        if (!fit) return 0;
         task_len = -2 - (int64_t)n;
     }
-    int64_t *fields = (int64_t *)h;
-    fields[0] = STATE_IDLE;
-    fields[F_EPOCH] = (int64_t)epoch;
-    fields[F_SEQ] = (int64_t)seq;
+    int64_t *fields = (int64_t *)((char *)view->buf + header);
+    fields[F_STATE] = STATE_IDLE;
+    fields[F_EPOCH] = epoch;
+    fields[F_SEQ] = seq;
     fields[F_TASK_LEN] = task_len;
-    *(int64_t *)((char *)view.buf + entry) = (int64_t)slot;
-    if (sem_post((sem_t *)((char *)view.buf + sem_off)) != 0) {
+    *(int64_t *)((char *)view->buf + entry) = slot;
+    if (sem_post((sem_t *)((char *)view->buf + sem_off)) != 0) {
         PyErr_SetFromErrno(PyExc_OSError);
-        goto release;
+        return -2;
     }
-    result = PyLong_FromLong(1);
-release:
+    return 1;
+}
+
+static PyObject *py_post_task(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t header, data, cap, entry, sem_off;
+    long long epoch, seq, slot;
+    Py_buffer view;
+    if (!nargs_is("post_task", nargs, 11) || !as_ssize(args[1], &header) || !as_ssize(args[6], &data) ||
+        !as_ssize(args[7], &cap) || !as_ssize(args[8], &entry) || !as_ssize(args[10], &sem_off))
+        return NULL;
+    if (((epoch = PyLong_AsLongLong(args[2])) == -1 && PyErr_Occurred()) ||
+        ((seq = PyLong_AsLongLong(args[3])) == -1 && PyErr_Occurred()) ||
+        ((slot = PyLong_AsLongLong(args[9])) == -1 && PyErr_Occurred()))
+        return NULL;
+    int pickled = PyObject_IsTrue(args[5]);
+    if (pickled < 0 || PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0) return NULL;
+    int code = shmloader_write_task(&view, header, (int64_t)epoch, (int64_t)seq, args[4], pickled, data, cap, entry,
+                                    (int64_t)slot, sem_off);
     PyBuffer_Release(&view);
-    return result;
+    return code == -2 ? NULL : PyLong_FromLong(code);
 }
 
 PyDoc_STRVAR(publish_doc,
@@ -421,50 +406,6 @@ static PyObject *py_store_fenced(PyObject *self, PyObject *const *args, Py_ssize
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     PyBuffer_Release(&view);
     Py_RETURN_NONE;
-}
-
-PyDoc_STRVAR(collect_doc,
-"collect($module, buffer, sem_offset, state_offsets, done, /)\n--\n\n"
-"Take every token the semaphore at buffer[sem_offset] holds now (never waiting), then read\n"
-"each state at buffer[state_offsets[i]] with acquire ordering. Returns (tokens taken, bytes\n"
-"whose byte i is 1 where that state equals done, else 0): the consumer's per-batch look at\n"
-"the ring in one call.");
-
-static PyObject *py_collect(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Py_ssize_t sem_off;
-    long long done;
-    Py_buffer view;
-    if (!nargs_is("collect", nargs, 4) || !as_ssize(args[1], &sem_off)) return NULL;
-    PyObject *offsets = args[2];
-    if (!PyTuple_Check(offsets)) {
-        PyErr_SetString(PyExc_TypeError, "collect() takes a tuple of state offsets");
-        return NULL;
-    }
-    done = PyLong_AsLongLong(args[3]);
-    if (done == -1 && PyErr_Occurred()) return NULL;
-    char *sem = at(args[0], &view, sem_off, SEM_STRIDE, 8);
-    if (sem == NULL) return NULL;
-    long tokens = 0;
-    while (sem_trywait((sem_t *)sem) == 0) tokens++;
-    Py_ssize_t n = PyTuple_GET_SIZE(offsets);
-    PyObject *found = PyBytes_FromStringAndSize(NULL, n);
-    if (found == NULL) goto fail;
-    char *flags = PyBytes_AS_STRING(found);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t off = PyLong_AsSsize_t(PyTuple_GET_ITEM(offsets, i));
-        if (off == -1 && PyErr_Occurred()) goto fail;
-        if (off < 0 || off > view.len - 8 || off % 8 != 0) {
-            PyErr_Format(PyExc_ValueError, "state offset %zd does not fit a %zd-byte buffer", off, view.len);
-            goto fail;
-        }
-        flags[i] = __atomic_load_n((int64_t *)((char *)view.buf + off), __ATOMIC_ACQUIRE) == done;
-    }
-    PyBuffer_Release(&view);
-    return Py_BuildValue("(lN)", tokens, found);
-fail:
-    Py_XDECREF(found);
-    PyBuffer_Release(&view);
-    return NULL;
 }
 
 PyDoc_STRVAR(take_task_doc,
@@ -549,8 +490,7 @@ release:
 
 PyMethodDef shmloader_sync_methods[] = {
     {"take_task", (PyCFunction)(void (*)(void))py_take_task, METH_FASTCALL, take_task_doc},
-    {"collect", (PyCFunction)(void (*)(void))py_collect, METH_FASTCALL, collect_doc},
-    {"post_task", (PyCFunction)(void (*)(void))shmloader_post_task, METH_FASTCALL, post_task_doc},
+    {"post_task", (PyCFunction)(void (*)(void))py_post_task, METH_FASTCALL, post_task_doc},
     {"publish", py_publish, METH_VARARGS, publish_doc},
     {"store_fenced", (PyCFunction)(void (*)(void))py_store_fenced, METH_FASTCALL, store_fenced_doc},
     {"sem_init", (PyCFunction)(void (*)(void))py_sem_init, METH_FASTCALL, sem_init_doc},
@@ -562,5 +502,3 @@ PyMethodDef shmloader_sync_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 const int shmloader_sem_stride = SEM_STRIDE;
-const int shmloader_task_fields[3] = {F_EPOCH, F_SEQ, F_TASK_LEN};
-const int shmloader_state_idle = STATE_IDLE;

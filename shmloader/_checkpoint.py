@@ -97,15 +97,16 @@ class Progress:
     @classmethod
     def of(cls, it: Any, dataset: Any) -> Progress:
         iterable = None
-        if has_state(dataset):
-            if hasattr(it, "dataset_states"):  # workers: each one's state after its last delivered batch
-                iterable = {"dataset_states": dict(it.dataset_states), "last_worker": it.last_worker,
-                            "active": list(it._dispatcher.active)}
-            else:  # in process: the dataset is exactly where the yielded batches left it
+        ring_progress = getattr(it, "progress", None)
+        if ring_progress is not None:  # a ring iterator says: consumed, and its workers' dataset states
+            yielded, shards = ring_progress()
+            iterable = shards if has_state(dataset) else None
+        else:  # torch's in-process iterator
+            yielded = int(it._num_yielded)
+            if has_state(dataset):  # the dataset is exactly where the yielded batches left it
                 ended = bool(getattr(getattr(it, "_dataset_fetcher", None), "ended", False))
                 iterable = {"dataset_states": {0: pickle.dumps({"ended": ended, "state": dataset.state_dict()})},
                             "last_worker": None, "active": [True]}
-        yielded = int(it._num_yielded) + int(getattr(it, "_failed_batches", 0))
         try:
             finished = yielded >= len(it)
         except TypeError:  # an IterableDataset without __len__
@@ -147,7 +148,11 @@ def fast_forward(it: Any, k: int, iterable: bool) -> None:
         for _ in range(k):
             next(it)
         return
-    for _ in range(k):
+    skip = getattr(it, "skip", None)
+    if skip is not None:  # a ring iterator
+        skip(k)
+        return
+    for _ in range(k):  # torch's in-process iterator
         next(it._sampler_iter)
     it._num_yielded = k
 
@@ -230,7 +235,11 @@ def begin_epoch(loader: Any, torch_iter: Callable[[], Any]) -> Any:
         epoch.held = it
     if resume is not None:
         if iterable_state is not None:  # the dataset's own state already holds the position
-            it._num_yielded = resume["yielded"]
+            skip = getattr(it, "skip", None)
+            if skip is not None:  # a ring iterator
+                skip(resume["yielded"], draw=False)
+            else:
+                it._num_yielded = resume["yielded"]
             fetcher = getattr(it, "_dataset_fetcher", None)  # in process: was the epoch over?
             if fetcher is not None and pickle.loads(iterable_state["dataset_states"][0])["ended"]:
                 fetcher.ended = True

@@ -1,11 +1,12 @@
-"""Dispatch: turn sampler indices into tasks in free slots, and pick the worker.
+"""Dispatch: sampler indices as tasks, and the ways a task reaches its worker.
 
-Tasks go round-robin to the workers that can take one, as torch's loader sends them:
-every worker with ``in_order=True``; with ``in_order=False`` those with fewer than their
-share of the in-flight tasks; for an IterableDataset only those whose shard is not yet
-exhausted. So batch k of an epoch comes from the same worker as in torch's loader, and
-random augmentation drawn from a worker's seeded RNGs is the same as torch's, whatever
-the timing.
+Which worker gets the next task is the scheduler's (``Scheduler.pick``, native): round-robin
+over the workers that can take one, as torch's loader sends them (every worker with
+``in_order=True``; with ``in_order=False`` those with fewer than their share of the tasks;
+for an IterableDataset only those whose shard is not exhausted). So batch k of an epoch
+comes from the same worker as in torch's loader, and random augmentation drawn from a
+worker's seeded RNGs is the same as torch's, whatever the timing. The scheduler's step posts
+a batch sampler's list of ints itself; ``post`` here is every other way.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Callable
 from torch.utils.data import BatchSampler, SequentialSampler
 
 from ._layout import IDLE, Field
-from ._ring import Ring
+from ._ring import NOT_INTS, POSTED, Ring
 
 
 def batches_of(index_sampler: Any) -> Any:
@@ -42,41 +43,24 @@ def as_list(index: Any) -> Any:
     return list(index) if type(index) is range else index
 
 
-class Dispatcher:
-    def __init__(self, num_workers: int, iterable: bool, in_order: bool = True) -> None:
-        self.num_workers = num_workers
-        self.iterable = iterable
-        self.in_order = in_order
-        self.reset()
-
-    def reset(self) -> None:
-        self.active = [True] * self.num_workers
-        self.next_rr = 0  # the worker round robin looks at first (_native.dispatch_next moves it too)
-
-    def skip_to(self, worker: int) -> None:
-        """Make round-robin continue from ``worker`` (resuming a checkpointed epoch)."""
-        self.next_rr = worker % self.num_workers
-
-    def pick(self, load: list[int], capacity: int) -> int | None:
-        """The worker for the next task (``load``: tasks in flight per worker; ``capacity``: tasks
-        in flight at most), or None if no worker can take one."""
-        for _ in range(self.num_workers):
-            wid = self.next_rr
-            self.next_rr = (wid + 1) % self.num_workers
-            if self.active[wid] and (self.in_order or load[wid] < capacity // sum(self.active)):
-                return wid
-        return None
-
-    def send_index(self, ring: Ring, slot: int, wid: int, epoch: int, seq: int, index: Any,
-                   send: Callable[[int, tuple[Any, ...]], object]) -> int:
-        """Queue a task whose index does not fit ``slot`` for worker ``wid``: the pickled index
-        goes over the worker's connection (``send``). Returns its size."""
+def post(ring: Ring, send: Callable[[int, tuple[Any, ...]], object], slot: int, wid: int, epoch: int, seq: int,
+         index: Any) -> int:
+    """Write task ``seq`` into ``slot`` and wake worker ``wid``, the way its index fits: a list
+    of ints as int64 values (one native call: what ``Scheduler.step`` posts itself), else
+    pickled into the slot, else pickled over the worker's connection (``send``). Returns the
+    bytes of an index the slot could not hold (the ring should grow to hold it), else 0."""
+    posted = ring.post_task(wid, slot, epoch, seq, index)
+    if posted == NOT_INTS:
         payload = pickle.dumps(as_list(index), protocol=pickle.HIGHEST_PROTOCOL)
-        hdr = ring.headers[slot]
-        hdr[Field.STATE] = IDLE
-        hdr[Field.EPOCH] = epoch
-        hdr[Field.SEQ] = seq
-        hdr[Field.TASK_LEN] = -1
-        send(wid, ("index", slot, payload))
-        ring.push_task(wid, slot)
-        return len(payload)
+        posted = ring.post_task(wid, slot, epoch, seq, payload, True)
+    if posted == POSTED:
+        return 0
+    payload = pickle.dumps(as_list(index), protocol=pickle.HIGHEST_PROTOCOL)
+    hdr = ring.headers[slot]
+    hdr[Field.STATE] = IDLE
+    hdr[Field.EPOCH] = epoch
+    hdr[Field.SEQ] = seq
+    hdr[Field.TASK_LEN] = -1
+    send(wid, ("index", slot, payload))
+    ring.push_task(wid, slot)
+    return len(payload) if len(payload) > ring.data_bytes else 0

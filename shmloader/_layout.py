@@ -80,13 +80,6 @@ def _agree(what: str, python: object, native: object) -> None:
                           f"{python!r} here); rebuild it (pip install -e . / make test)")
 
 
-_agree("read_slot's fields", (Field.TABLE_OFF, Field.TABLE_LEN, Field.PICKLED_OFF, Field.PICKLED_LEN),
-       _native.READ_SLOT_FIELDS)
-_agree("take_task's fields and STATE", (Field.EPOCH, Field.SEQ, Field.TASK_LEN, Field.STATE),
-       (*_native.TAKE_TASK_FIELDS, 0))
-_agree("header fields", N_FIELDS, _native.N_HEADER_FIELDS)
-
-
 class Counter:
     """Per-worker counters in the control area (int64 each), written by the worker only."""
 
@@ -97,7 +90,6 @@ class Counter:
 
 N_COUNTERS: Final = 4
 IDLE: Final = 0
-_agree("IDLE, the STATE post_task stores", IDLE, _native.STATE_IDLE)
 DONE: Final = 1
 RESIZE_TASK: Final = -2  # a task-queue entry: attach to the new ring the setup connection carries
 STOP_TASK: Final = -1  # a task-queue entry: exit
@@ -116,6 +108,17 @@ class Region(enum.IntEnum):
     SLOT = 0  # the slot's own data region
     OVERFLOW = 1  # the overflow memory the consumer granted for this task (see _overflow.py)
     PIPE = 2  # pickled over the worker's connection: memory_budget had no room while the caller held it
+
+
+# native/_layout.h, the same layout for the C side: every field and code it names, checked here.
+_agree("the header fields", {f"F_{name}": value for name, value in vars(Field).items() if name.isupper()}
+       | {"N_HEADER_FIELDS": N_FIELDS},
+       {name: value for name, value in _native.LAYOUT.items() if name.startswith(("F_", "N_HEADER"))})
+_agree("STATE's values", (IDLE, DONE), (_native.LAYOUT["STATE_IDLE"], _native.LAYOUT["STATE_DONE"]))
+_agree("the statuses", (Status.OK, Status.NEED_MEMORY),
+       (_native.LAYOUT["STATUS_OK"], _native.LAYOUT["STATUS_NEED_MEMORY"]))
+_agree("the regions", {f"REGION_{r.name}": int(r) for r in Region},
+       {name: value for name, value in _native.LAYOUT.items() if name.startswith("REGION_")})
 
 
 class Kind(enum.IntEnum):

@@ -37,15 +37,15 @@ _REGION = Field.REGION
 class Leases:
     """Slots lent to the user. Every delivered batch has a fresh numpy base array over its slot,
     which each of its tensors and arrays keeps alive; this table holds one more reference. A slot
-    is back once that is the base's only reference (``take_returned`` looks, one native call, no
-    callback and no lock on the per-batch path), or once ``release`` retired it, early, from any
-    thread: a key leaves ``bases`` exactly once, by ``dict.pop`` or by the native call, each
-    atomic under the GIL, so a slot comes back once and a lent-again slot never for a stale
-    reason."""
+    is back once that is the base's only reference (the scheduler's step looks, in C, no
+    callback and no lock on the per-batch path: ``Scheduler.reclaim``), or once ``release``
+    retired it, early, from any thread: a key leaves ``bases`` exactly once, by ``dict.pop`` or
+    by the scheduler, each atomic under the GIL, so a slot comes back once and a lent-again slot
+    never for a stale reason."""
 
     def __init__(self) -> None:
-        self.bases: dict[int, np.ndarray[Any, Any]] = {}  # also read by _native.steady_take
-        self.released: collections.deque[int] = collections.deque()
+        self.bases: dict[int, np.ndarray[Any, Any]] = {}  # slot -> base; read by Scheduler.step
+        self.released: collections.deque[int] = collections.deque()  # released early, not yet back
         # The memory of every batch released early that is still alive (``memory_key``), so a
         # second release of it is refused: its slot may be lent to a later batch by then.
         self._gone: dict[int, Any] = {}
@@ -81,13 +81,9 @@ class Leases:
             self._gone.update(key for _, _, key in keys)
             return count
 
-    @property
-    def returned(self) -> bool:
-        """Whether slots have come back since the last ``take_returned``."""
-        return bool(self.released) or bool(_native.unviewed(self.bases, False))
-
-    def take_returned(self) -> list[int]:
-        out: list[int] = _native.unviewed(self.bases, True)
+    def take_released(self) -> list[int]:
+        """The slots released early since the last call (the scheduler gives them back)."""
+        out = []
         released = self.released
         while released:
             out.append(released.popleft())

@@ -21,7 +21,9 @@ at whichever step; the kernel frees it with the last mapping and fd.
 
 ``OverflowArena`` owns the accounting: bytes granted and not yet freed, plus retired
 rings that the user's batches still view, so ``memory_budget`` covers everything the
-loader allocates. Release callbacks may run in any thread.
+loader allocates. Release callbacks may run in any thread. ``OverflowBroker`` owns the
+policy: which waiting worker gets memory when, the grants of the tasks in flight, and the
+slot size the ring should grow to.
 """
 
 from __future__ import annotations
@@ -31,12 +33,17 @@ import mmap
 import os
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from ._errors import SharedMemoryFullError
+from . import _device
+from ._errors import MemoryBudgetError, SharedMemoryFullError
+from ._layout import IDLE, PAGE, grown_slot_bytes, round_up
+from ._lease import Where
+from ._ring import Ring
 from ._shm import Mapping
+from ._slots import Scheduler, SlotState
 
 
 class OverflowArena:
@@ -95,3 +102,131 @@ class OverflowArena:
             self.retired -= nbytes
         if self.on_free is not None:
             self.on_free()
+
+
+class OverflowBroker:
+    """Overflow memory for the tasks of one iterator: grants under ``memory_budget``, and the
+    growth of the ring's slots that oversized batches ask for.
+
+    A grant belongs to its slot's task: it is taken by the delivered batch (``take``; the
+    arena frees it when the batch's last view dies) or dropped with its task (``drop``: stale
+    epoch, dead worker, error), exactly once."""
+
+    def __init__(self, arena: OverflowArena, budget: int | None, in_order: bool,
+                 remember: Callable[[int], None]) -> None:
+        self.arena = arena
+        self.budget = budget
+        self.in_order = in_order
+        self.remember = remember  # called with a slot size later rings should start at
+        self.grants: dict[int, tuple[Mapping, int]] = {}  # slot -> (mapping, bytes) granted to its task
+        self.grow_to: int | None = None  # a larger slot size, taken up once the ring drains
+        self.growth_declined = False  # memory_budget had no room to grow; overflow carries large batches
+        self.awaiting_room = False  # a grant waits for memory_budget: freed memory rings the doorbell
+
+    def where(self, slot: int) -> Where | None:
+        """Where the result of ``slot``'s task lies when it was granted overflow memory."""
+        granted = self.grants.get(slot)
+        return None if granted is None else (granted[0], 0, granted[1])
+
+    def take(self, slot: int, base: np.ndarray[Any, Any]) -> None:
+        """The batch of ``slot`` was delivered from its grant: the memory is freed once ``base``
+        (which every view of the batch keeps alive) dies."""
+        self.arena.lend(base, self.grants.pop(slot)[1])
+
+    def drop(self, slot: int) -> None:
+        """``slot``'s task is gone undelivered: its grant, if any, is freed."""
+        granted = self.grants.pop(slot, None)
+        if granted is not None:
+            self.arena.free(granted[1])
+
+    def new_epoch(self, sched: Scheduler) -> None:
+        """Results the new epoch dropped (their slots FREE) give their grants back."""
+        for slot in [s for s in self.grants if sched.state_of(s) == SlotState.FREE]:
+            self.drop(slot)
+        self.growth_declined = False
+
+    def want_growth(self, nbytes: int, slot_bytes: int) -> None:
+        """A batch (or index) of ``nbytes`` did not fit a slot of ``slot_bytes``: grow the slots
+        once the ring drains."""
+        target = grown_slot_bytes(nbytes)
+        self.remember(target)
+        if self.growth_declined or target <= slot_bytes:
+            return
+        self.grow_to = max(self.grow_to or 0, target)
+
+    def grant(self, sched: Scheduler, ring: Ring, send: Callable[..., Any], pinned: bool, staging: bool) -> None:
+        """Give waiting workers their overflow memory, lowest sequence number first, while
+        ``memory_budget`` has room; the rest wait (backpressure). ``send(worker, slot, size, fd)``
+        answers a worker. Under a budget with in-order delivery, a batch gets memory only once
+        every batch before it has its memory or fits a slot, so the budget is never taken by a
+        batch that cannot be delivered yet."""
+        self.awaiting_room = False
+        for slot in sched.waiting():
+            task = sched.task_of(slot)
+            assert task is not None
+            if task.epoch != sched.epoch:
+                sched.drop(slot)
+                send(task.worker, slot, 0, -1)
+                continue
+            size = round_up(task.needed, PAGE)
+            if self.budget is not None and self.in_order and self._earlier_may_overflow(sched, task.seq):
+                return  # granting out of order could give an undeliverable later batch the room
+            room = self._room_for(sched, ring, task.seq, size, staging)
+            if room is None:  # only the batches the caller holds could make room: a copy, not a hang
+                ring.set_state(slot, IDLE)
+                sched.granted(slot)
+                send(task.worker, slot, -1)
+                continue
+            if not room:
+                self.awaiting_room = True
+                return
+            fd, mm = self.arena.allocate(size)
+            try:
+                if pinned:
+                    _device.register_host(mm, size)
+                ring.set_state(slot, IDLE)  # before the worker can publish again
+                sched.granted(slot)
+                self.grants[slot] = (mm, size)
+                send(task.worker, slot, size, fd)
+            finally:
+                os.close(fd)
+
+    def _earlier_may_overflow(self, sched: Scheduler, seq: int) -> bool:
+        """Whether a task of this epoch before ``seq`` is still being made without overflow
+        memory (it may yet ask for some)."""
+        for slot in sched.tasks():
+            task = sched.task_of(slot)
+            assert task is not None
+            if (sched.state_of(slot) == SlotState.IN_FLIGHT and slot not in self.grants
+                    and task.epoch == sched.epoch and task.seq < seq):
+                return True
+        return False
+
+    def _room_for(self, sched: Scheduler, ring: Ring, seq: int, size: int, staging: bool) -> bool | None:
+        """Whether ``memory_budget`` has room for ``size`` more bytes now. None when it has not
+        and only the caller could make room (the batches it holds) while it waits for this very
+        batch: that batch then comes as a pickled copy. Raises when it never will have room
+        (the batch is larger than the budget leaves beside the ring)."""
+        budget = self.budget
+        if budget is None:
+            return True
+        g = ring.geometry
+        if g.total_bytes + size > budget:
+            raise MemoryBudgetError(
+                f"batch {seq} needs {size:,} bytes, more than memory_budget={budget:,} leaves beside the "
+                f"ring ({g.total_bytes:,} bytes: {g.num_slots} slots of {g.data_bytes:,}). Raise "
+                f"memory_budget to at least {g.total_bytes + size:,}, or use smaller batches."
+            )
+        if g.total_bytes + self.arena.in_use + size <= budget:
+            return True
+        if self.in_order:
+            wanted_next = seq == sched.rcvd_seq
+        else:  # nothing else can arrive: a worker that waits for memory makes no other batch
+            tasks = {slot: sched.task_of(slot) for slot in sched.tasks()}
+            blocked = {task.worker for slot, task in tasks.items() if task and slot in sched.waiting()}
+            unblocked = any(w not in blocked for w in range(sched.num_workers))
+            moving = any(sched.state_of(slot) == SlotState.IN_FLIGHT and task and task.worker not in blocked
+                         for slot, task in tasks.items())
+            can_dispatch = sched.n_free and not sched.sampler_done and self.grow_to is None and unblocked
+            wanted_next = not sched.n_ready and not moving and not can_dispatch
+        return None if wanted_next and not self.grants and not staging else False

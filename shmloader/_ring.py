@@ -117,12 +117,6 @@ class _Views:
         """One token of the ready semaphore: at once (``timeout`` 0) or within ``timeout`` s."""
         return _native.sem_wait(self.mm, self.ready_sem, timeout)
 
-    def collect(self) -> tuple[int, bytes]:
-        """Take every token of the ready semaphore there is (never waiting), and say which slots
-        are DONE (byte ``slot`` is 1; acquire loads: what a worker wrote before DONE is visible
-        after it)."""
-        return _native.collect(self.mm, self.ready_sem, self.state_offsets, DONE)
-
     def set_state(self, slot: int, state: int) -> None:
         """Store ``slot``'s STATE with release ordering, after everything written before it."""
         _native.store_release(self.mm, self.state_offsets[slot], state)
@@ -150,10 +144,8 @@ class Ring(_Views):
             raise
         super().__init__(geometry, mm)
         self.mm: _shm.Mapping = mm  # the main process's mapping: pinnable, unpinned before unmapping
-        self._tails = [0] * geometry.num_workers  # changed in place only: self.posting shares the list
-        # What _native.dispatch_next posts a task with (the ring's part of post_task's arguments).
-        self.posting = (mm, self.header_offsets, self.data_offsets, self.data_bytes, self.queue_offsets,
-                        self.queue_len, self._tails, self.task_sems)
+        # Tasks queued per worker so far: changed in place only (the scheduler's step shares the list).
+        self.tails = [0] * geometry.num_workers
 
     def unlink(self) -> None:
         """Remove the segment's name; mappings and the fd stay valid. Idempotent."""
@@ -164,8 +156,8 @@ class Ring(_Views):
     def push_task(self, worker: int, slot: int) -> None:
         """Queue ``slot`` (or STOP_TASK, RESIZE_TASK) for ``worker`` and wake it."""
         q = self.queues[worker]
-        q[self._tails[worker] % self.queue_len] = slot
-        self._tails[worker] += 1
+        q[self.tails[worker] % self.queue_len] = slot
+        self.tails[worker] += 1
         _native.sem_post(self.mm, self.task_sems[worker])
 
     def post_task(self, worker: int, slot: int, epoch: int, seq: int, index: Any, pickled: bool = False) -> int:
@@ -173,12 +165,12 @@ class Ring(_Views):
         int64 values, or with ``pickled`` the pickled index's bytes; see ``Field.TASK_LEN``),
         queue it for ``worker`` and wake it: one native call. Returns POSTED, DOES_NOT_FIT (nothing
         was written or queued) or NOT_INTS (``index`` is not a list of int64 ints: pickle it)."""
-        tail = self._tails[worker]
+        tail = self.tails[worker]
         entry = self.queue_offsets[worker] + (tail % self.queue_len) * 8
         posted: int = _native.post_task(self.mm, self.header_offsets[slot], epoch, seq, index, pickled,
                                         self.data_offsets[slot], self.data_bytes, entry, slot, self.task_sems[worker])
         if posted == POSTED:
-            self._tails[worker] = tail + 1
+            self.tails[worker] = tail + 1
         return posted
 
     def renew_queue(self, worker: int) -> None:
@@ -188,7 +180,7 @@ class Ring(_Views):
         q = self.queues[worker]
         for i in range(len(q)):
             q[i] = 0
-        self._tails[worker] = 0
+        self.tails[worker] = 0
 
     def close(self) -> None:
         """Unlink the name and close the fd (the mapping lives on while batches view it)."""

@@ -203,7 +203,7 @@ def measure(
     cpu = (cpu_seconds(pids) - cpu0) / (batches * repeats)
     memory.sample()  # before the loader stops
     stats = loader.stats() if hasattr(loader, "stats") else None
-    ring = getattr(it, "_ring", None)
+    ring = getattr(it, "ring", None)  # a ring iterator's (None when it has none)
     del it
     peak = memory.stop()
     _close(loader)

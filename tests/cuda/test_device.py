@@ -36,8 +36,8 @@ def test_a_slot_is_not_reused_while_its_copy_is_in_flight() -> None:
     it = iter(loader)
     for i in range(200):
         batch = next(it)
-        assert it._stager is not None
-        with torch.cuda.stream(it._stager.stream):
+        assert it._delivery.stager is not None
+        with torch.cuda.stream(it._delivery.stager.stream):
             torch.cuda._sleep(2_000_000)  # delay the copies still to come
         torch.cuda._sleep(1_000_000)  # and a slow consumer stream
         check_blocks(batch, 2 * i, device="cuda")
@@ -116,5 +116,5 @@ def test_device_delivery_survives_worker_kills(context: str) -> None:
     for n, batch in enumerate(it, 1):
         check_blocks(batch, 8 * (n - 1), device="cuda")
         if n in (7, 31, 55):
-            os.kill(rng.choice([p.pid for p in it._pool.procs if p.exitcode is None]), signal.SIGKILL)
+            os.kill(rng.choice([p.pid for p in it._life.pool.procs if p.exitcode is None]), signal.SIGKILL)
     assert n == 80 and loader.stats().worker_restarts >= 1

@@ -248,7 +248,7 @@ def test_a_death_beyond_max_worker_restarts_ends_the_epoch_with_a_reason() -> No
     loader = shmloader.DataLoader(BadSamples(400, ()), batch_size=2, num_workers=2, max_worker_restarts=0)
     it = iter(loader)
     next(it)
-    os.kill(it._pool.procs[0].pid, signal.SIGKILL)  # type: ignore[attr-defined]
+    os.kill(it._life.pool.procs[0].pid, signal.SIGKILL)  # type: ignore[attr-defined]
     with pytest.raises(shmloader.WorkerDiedError):
         for _ in it:
             pass

@@ -79,7 +79,7 @@ def test_loader_process_killed_workers_exit_and_nothing_is_left(tmp_path: pathli
                                       multiprocessing_context=sys.argv[1])
         it = iter(loader)
         next(it)
-        print(json.dumps([p.pid for p in it._pool.procs]), flush=True)
+        print(json.dumps([p.pid for p in it._life.pool.procs]), flush=True)
         signal.pause()
     """, context)
     kill_and_check_nothing_is_left(proc)
@@ -92,7 +92,7 @@ def test_loader_process_killed_while_its_workers_set_up_they_exit_quietly(tmp_pa
         loader = shmloader.DataLoader(Range(1000), batch_size=2, num_workers=2,
                                       multiprocessing_context=sys.argv[1])
         it = iter(loader)
-        print(json.dumps([p.pid for p in it._pool.procs]), flush=True)
+        print(json.dumps([p.pid for p in it._life.pool.procs]), flush=True)
         signal.pause()
     """, context)
     stderr = kill_and_check_nothing_is_left(proc)
@@ -152,7 +152,7 @@ def test_interpreter_exit_mid_epoch(tmp_path: pathlib.Path) -> None:
             loader = shmloader.DataLoader(Range(1000), batch_size=2, num_workers=2, persistent_workers=persistent)
             it = iter(loader)
             next(it)
-            print(json.dumps([p.pid for p in it._pool.procs]), flush=True)
+            print(json.dumps([p.pid for p in it._life.pool.procs]), flush=True)
         sys.exit(0)  # two loaders mid-epoch, never closed
     """)
     out, err = proc.communicate(timeout=60)

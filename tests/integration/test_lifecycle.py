@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import shmloader
-from shmloader import _consume, _native, _ring, _shm
+from shmloader import _consume, _native, _ring, _shm, _wait
 from shmloader._layout import DONE
 from shmloader._lease import slot_of
 from shmloader._slots import SlotState
@@ -27,7 +27,7 @@ def test_batches_are_views_of_the_ring_and_return_when_dropped() -> None:
     loader = shmloader.DataLoader(Range(64), batch_size=4, num_workers=2)
     it = iter(loader)
     a = next(it)
-    ring = it._ring
+    ring = it._life.ring
     base = ring.bytes.__array_interface__["data"][0]
     ptr = a.untyped_storage().data_ptr()
     assert base <= ptr < base + ring.geometry.total_bytes
@@ -63,9 +63,9 @@ def test_a_second_release_never_takes_a_later_batchs_slot() -> None:
     assert loader.release(first) == 1
     for n in range(1, 6):  # until a batch arrives in first's slot (the fifth: 4 were in flight)
         later = next(it)
-        if slot_of(it._ring, later) == 0:
+        if slot_of(it._life.ring, later) == 0:
             break
-    assert slot_of(it._ring, later) == 0 and slot_of(it._ring, first) == 0
+    assert slot_of(it._life.ring, later) == 0 and slot_of(it._life.ring, first) == 0
     for _ in range(2):
         with pytest.raises(ValueError, match="already released"):
             loader.release(first)
@@ -160,7 +160,7 @@ def test_a_worker_exception_keeps_its_type_and_traceback_and_the_loader_goes_on(
     assert "sample 13 is broken" in text and "Traceback" in text and "__getitem__" in text
     assert not it.shut_down  # as torch's: the next next() goes on with the following batch
     assert [b.flatten().tolist() for b in it] == [list(range(i, i + 4)) for i in range(16, 40, 4)]
-    assert it.shut_down and all(p.exitcode is not None for p in it._pool.procs)
+    assert it.shut_down and all(p.exitcode is not None for p in it._life.pool.procs)
 
 
 def test_a_worker_exception_in_the_first_batch() -> None:
@@ -256,7 +256,7 @@ def test_garbage_collected_mid_epoch_stops_workers() -> None:
     loader = shmloader.DataLoader(Range(100), batch_size=2, num_workers=2)
     it = iter(loader)
     next(it)
-    procs = list(it._pool.procs)
+    procs = list(it._life.pool.procs)
     del it
     gc.collect()
     assert all(p.exitcode is not None for p in procs)
@@ -363,7 +363,7 @@ def test_a_dataset_that_exits_is_said_as_such_without_the_memory_hint() -> None:
 @pytest.fixture
 def timed_out(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """The sync waits on the ready semaphore that run out, with the heartbeat at 20 s."""
-    monkeypatch.setattr(_consume, "CHECK_S", 20.0)
+    monkeypatch.setattr(_wait, "CHECK_S", 20.0)
     out: list[float] = []
     take_ready = _ring._Views.take_ready
 
@@ -401,9 +401,9 @@ def test_no_wait_ends_by_its_timeout(timed_out: list[float], persistent: bool, i
 def every_task_published(it: Any) -> None:
     """Return once every task in flight is published (a condition on the ring, not a sleep), so
     the consumer's next round finds all of them at once."""
-    ring, table = it._ring, it._table
-    while any(table.state[s] is SlotState.IN_FLIGHT and _native.load_acquire(ring.mm, ring.state_offsets[s]) != DONE
-              for s in list(table.tasks)):
+    ring, sched = it._life.ring, it._sched
+    while any(sched.state_of(s) == SlotState.IN_FLIGHT and _native.load_acquire(ring.mm, ring.state_offsets[s]) != DONE
+              for s in sched.tasks()):
         os.sched_yield()
 
 
@@ -417,7 +417,7 @@ def test_the_round_that_takes_the_last_shards_end_ends_the_epoch(timed_out: list
     it = iter(shmloader.DataLoader(Shards(90), in_order=in_order, **kw))
     got = []
     while True:
-        if it._ring is not None:
+        if it._life.ring is not None:
             every_task_published(it)
         try:
             got.append(next(it).tolist())
@@ -432,7 +432,7 @@ def test_async_for_ends_the_epoch_when_the_last_shard_ends() -> None:
         it = aiter(shmloader.DataLoader(Shards(90), batch_size=4, num_workers=2))
         got = []
         while True:
-            if it._ring is not None:
+            if it._life.ring is not None:
                 every_task_published(it)
             try:
                 got.append((await asyncio.wait_for(anext(it), 60)).tolist())  # a guard: it hung
@@ -450,7 +450,7 @@ def test_shutdown_after_its_connections_were_finalized() -> None:
     loader = shmloader.DataLoader(Range(40), batch_size=4, num_workers=2, persistent_workers=True)
     it = iter(loader)
     assert next(it).flatten().tolist() == [0, 1, 2, 3]
-    for conn in it._pool.conns:
+    for conn in it._life.pool.conns:
         conn.__del__()  # what the garbage collector may run first
     it._shutdown_workers()
     assert not [c for c in multiprocessing.active_children() if c.name.startswith("shmloader-worker")]

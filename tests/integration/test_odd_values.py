@@ -232,7 +232,7 @@ def test_a_storage_is_a_zero_copy_leased_view_of_its_slot() -> None:
     it = iter(loader)
     storage = next(it)
     assert isinstance(storage, torch.UntypedStorage) and bytes(storage) == bytes(torch.zeros(4, dtype=torch.int64).numpy())
-    ring = it._ring
+    ring = it._life.ring
     assert ring is not None
     origin = ring.bytes.__array_interface__["data"][0]
     assert origin <= storage.data_ptr() < origin + ring.geometry.total_bytes  # in the ring: not a copy
@@ -334,6 +334,6 @@ def test_a_row_of_a_large_tensor_does_not_bring_the_whole_tensor() -> None:
     try:
         rows = [next(it) for _ in range(5)]
         assert [r[0].tolist() for r in rows] == [table[i].tolist() for i in range(5)]
-        assert it._ring is not None and it._ring.geometry.data_bytes < table.numel() * 4
+        assert it._life.ring is not None and it._life.ring.geometry.data_bytes < table.numel() * 4
     finally:
         it._shutdown_workers()

@@ -112,8 +112,8 @@ def mapped_by_us() -> dict[str, int]:
     with open("/proc/self/maps") as maps:
         for line in maps:
             parts = line.split()
-            if len(parts) < 6 or "shmloader" not in parts[5]:
-                continue
+            if len(parts) < 6 or "shmloader" not in parts[5] or not parts[5].startswith(("/dev/shm/", "/memfd:")):
+                continue  # (not shared memory: the extension's own file lies under shmloader/)
             start, end = (int(x, 16) for x in parts[0].split("-"))
             key = f"{parts[3]}:{parts[4]}:{parts[5]}"
             sizes[key] = max(sizes.get(key, 0), int(parts[2], 16) + end - start)
@@ -217,7 +217,7 @@ def test_random_kills_with_overflow_in_flight(rng: random.Random, budget: int | 
     for n, batch in enumerate(it, 1):
         same(batch, want[n - 1])
         if rng.random() < 0.1:
-            victim = rng.choice([p for p in it._pool.procs if p.exitcode is None])
+            victim = rng.choice([p for p in it._life.pool.procs if p.exitcode is None])
             os.kill(victim.pid, signal.SIGKILL)
             kills += 1
     assert n == len(want)
@@ -238,7 +238,7 @@ def test_loader_killed_with_overflow_memory_out_leaves_nothing(tmp_path: Any, mo
         it = iter(loader)
         held = [next(it) for _ in range(3)]
         assert loader.stats().overflow_batches >= 1
-        print(json.dumps([p.pid for p in it._pool.procs]), flush=True)
+        print(json.dumps([p.pid for p in it._life.pool.procs]), flush=True)
         signal.pause()
     """, moment)
     kill_and_check_nothing_is_left(proc)
@@ -292,10 +292,10 @@ def test_a_worker_dead_unseen_when_the_ring_grows_is_replaced_on_the_new_ring() 
     it = iter(loader)
     for batch, expected in zip(it, want, strict=True):
         same(batch, expected)
-    victim = it._pool.procs[0]
+    victim = it._life.pool.procs[0]
     os.kill(victim.pid, signal.SIGKILL)
     victim.join()
-    it._grow_to = 2 * it._ring.geometry.data_bytes  # what a batch too large for its slot asks for
+    it._broker.grow_to = 2 * it._life.ring.geometry.data_bytes  # what a batch too large for its slot asks for
     for batch, expected in zip(loader, want, strict=True):
         same(batch, expected)
     assert loader.stats().ring_growths == 1 and loader.stats().worker_restarts == 1

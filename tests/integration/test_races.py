@@ -19,7 +19,7 @@ import torch.utils.data as tud
 from torch.utils.data import Dataset
 
 import shmloader
-from shmloader import _consume, _native, _pool, _ring
+from shmloader import _consume, _lifecycle, _native, _pool, _ring, _wait
 from shmloader._errors import ShmLoaderError
 from shmloader._layout import DONE, Field
 from tests.conftest import same
@@ -89,7 +89,7 @@ def _grow_next_epoch(loader: shmloader.DataLoader[Any]) -> Any:
     for its slot asks), after one full epoch."""
     it = iter(loader)
     list(it)
-    it._grow_to = 2 * it._ring.geometry.data_bytes
+    it._broker.grow_to = 2 * it._life.ring.geometry.data_bytes
     return it
 
 
@@ -101,7 +101,7 @@ def _rings_made(monkeypatch: pytest.MonkeyPatch) -> list[_ring.Ring]:
             super().__init__(*args)
             made.append(self)
 
-    monkeypatch.setattr(_consume, "Ring", Recorded)
+    monkeypatch.setattr(_lifecycle, "Ring", Recorded)
     return made
 
 
@@ -111,16 +111,16 @@ def test_async_for_cancelled_while_the_ring_grows_goes_on_on_the_new_ring(monkey
     want = list(tud.DataLoader(Sized(sizes), batch_size=4))
     loader = shmloader.DataLoader(Sized(sizes), batch_size=4, num_workers=2, persistent_workers=True)
     it = _grow_next_epoch(loader)
-    await_for = _consume.RingIterator._await_for
+    wait = _wait.Waiter.wait
     cancelled = []
 
-    async def cancel_once(self: Any, request: tuple[Any, ...]) -> None:
-        if request[0] == "conns" and self._started and not cancelled:  # waiting for workers to attach
+    async def cancel_once(self: Any, request: tuple[Any, ...], *args: Any) -> None:
+        if request[0] == "conns" and self.life.started and not cancelled:  # waiting for workers to attach
             cancelled.append(request)
             raise asyncio.CancelledError  # as a timeout around the step would cancel it here
-        await await_for(self, request)
+        await wait(self, request, *args)
 
-    monkeypatch.setattr(_consume.RingIterator, "_await_for", cancel_once)
+    monkeypatch.setattr(_wait.Waiter, "wait", cancel_once)
 
     async def epoch() -> list[Any]:
         epoch_it = loader.__aiter__()
@@ -132,7 +132,7 @@ def test_async_for_cancelled_while_the_ring_grows_goes_on_on_the_new_ring(monkey
     assert cancelled and len(got) == len(want)
     for batch, expected in zip(got, want):
         same(batch, expected)
-    assert it._ring is made[-1] and it._table.num_slots == it._ring.geometry.num_slots
+    assert it._life.ring is made[-1] and it._sched.num_slots == it._life.ring.geometry.num_slots
     assert made[0].fd == -1  # the old ring is closed
     assert loader.stats().ring_growths == 1
     it._shutdown_workers()
@@ -224,7 +224,7 @@ class DiesBetweenDoneAndPost(Dataset):  # type: ignore[type-arg]
 def test_a_worker_that_dies_between_done_and_its_post_loses_no_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     # Each token stands for "look for DONE slots": the dead worker's slot, found with the next
     # worker's token, left that worker's slot without one. The epoch must still end.
-    monkeypatch.setattr(_consume, "CHECK_S", 5.0)  # (the death is seen after the token came)
+    monkeypatch.setattr(_wait, "CHECK_S", 5.0)  # (the death is seen after the token came)
     dataset = DiesBetweenDoneAndPost(FORK.Event())
     loader = shmloader.DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context=FORK,
                                   timeout=60)
@@ -321,15 +321,15 @@ def test_a_timed_out_wait_never_sleeps_past_the_timeout(phase: str, monkeypatch:
     loader = shmloader.DataLoader(Stalls(gate), batch_size=1, num_workers=1, timeout=0.6,
                                   multiprocessing_context=FORK, slot_bytes=4096 if phase == "steady" else None)
     overslept = []
-    sleep_s = _consume.RingIterator._sleep_s
+    sleep_s = _wait.Waiter.sleep_s
 
-    def checked(self: Any) -> float:
-        seconds: float = sleep_s(self)
-        if self._deadline is not None and time.monotonic() + seconds > self._deadline + 1e-3:
+    def checked(self: Any, deadline: float | None) -> float:
+        seconds: float = sleep_s(self, deadline)
+        if deadline is not None and time.monotonic() + seconds > deadline + 1e-3:
             overslept.append(seconds)
         return seconds
 
-    monkeypatch.setattr(_consume.RingIterator, "_sleep_s", checked)
+    monkeypatch.setattr(_wait.Waiter, "sleep_s", checked)
     it = iter(loader)
     with pytest.raises(RuntimeError, match=r"DataLoader timed out after 0.6 seconds"):
         next(it)

@@ -130,14 +130,14 @@ def test_persistent_workers_survive_epochs_and_early_break() -> None:
     want = reference(Range(40), batch_size=4)
     same(list(loader), want)
     it = iter(loader)
-    pids = [p.pid for p in it._pool.procs]
-    segment = it._ring.segment
+    pids = [p.pid for p in it._life.pool.procs]
+    segment = it._life.ring.segment
     for i, batch in enumerate(loader):
         if i == 2:
             break
     same(list(loader), want)
     again = iter(loader)
-    assert again is it and [p.pid for p in it._pool.procs] == pids and it._ring.segment == segment
+    assert again is it and [p.pid for p in it._life.pool.procs] == pids and it._life.ring.segment == segment
     del again, it
     loader._iterator._shutdown_workers()
 

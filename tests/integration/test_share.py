@@ -233,7 +233,7 @@ def test_owner_killed_leaves_nothing_and_its_workers_exit(tmp_path: pathlib.Path
         "                                  multiprocessing_context='spawn')\n"
         "    it = iter(loader)\n"
         "    next(it)\n"
-        "    print(json.dumps([p.pid for p in it._pool.procs]), flush=True)\n"
+        "    print(json.dumps([p.pid for p in it._life.pool.procs]), flush=True)\n"
         "    signal.pause()\n"
     )
     before = set(os.listdir("/dev/shm"))

@@ -29,7 +29,7 @@ def kill_one(it: shmloader._consume.RingIterator, rng: random.Random,
     must wait, so batches already made can still come after every worker was killed.
     SIGSEGV only where the worker does not inherit pytest's faulthandler (its dump would
     fill the log): spawn and forkserver workers."""
-    alive = [p for p in it._pool.procs if p.exitcode is None]
+    alive = [p for p in it._life.pool.procs if p.exitcode is None]
     if not alive:
         return False
     os.kill(rng.choice(alive).pid, rng.choice(signals))
@@ -129,7 +129,7 @@ def test_an_iterable_dataset_without_state_says_how_to_make_it_replaceable() -> 
     loader = shmloader.DataLoader(Shards(400), batch_size=4, num_workers=2)
     it = iter(loader)
     next(it)
-    os.kill(it._pool.procs[0].pid, signal.SIGKILL)  # type: ignore[attr-defined]
+    os.kill(it._life.pool.procs[0].pid, signal.SIGKILL)  # type: ignore[attr-defined]
     with pytest.raises(shmloader.WorkerDiedError, match="give the dataset state_dict\\(\\) and load_state_dict\\(\\)"):
         for _ in it:
             pass

@@ -76,7 +76,7 @@ def test_tiny_batches_with_workers_killed_at_random(context: str, batches: int, 
             gc.collect()
             rss_warm = rss_bytes()
         if rng.random() < 1 / every:
-            os.kill(rng.choice([p.pid for p in it._pool.procs if p.exitcode is None]), signal.SIGKILL)
+            os.kill(rng.choice([p.pid for p in it._life.pool.procs if p.exitcode is None]), signal.SIGKILL)
             kills += 1
     elapsed = time.perf_counter() - start
     assert k == batches - 1, f"{k + 1} batches (seed {seed})"

@@ -1,5 +1,7 @@
 """Leases: a slot comes back exactly once, whether its batch is dropped, released early, or
-both, in any order and from any thread, and a stale return never takes back a slot lent again."""
+both, in any order and from any thread, and a stale return never takes back a slot lent again.
+Slots come back as the consumer takes them: the scheduler's reclaim (batches gone) and the
+released ones (``Consumer.take_returned``)."""
 
 from __future__ import annotations
 
@@ -9,25 +11,53 @@ import threading
 import numpy as np
 
 from shmloader._lease import Leases
+from shmloader._slots import Scheduler, SlotState
 
 
 def base() -> np.ndarray:
     return np.zeros(4, dtype=np.uint8)
 
 
+class Consumer(Leases):
+    """A lease table with the consumer's scheduler beside it: a slot lent here is LENT there."""
+
+    def __init__(self, slots: int = 64) -> None:
+        super().__init__()
+        self.sched = Scheduler(slots, 1)
+
+    def lend(self, slot: int, base: np.ndarray) -> None:
+        sched = self.sched
+        assert sched.free_slots()[-1] == slot, "lend the slot the scheduler dispatches next"
+        sched.dispatch(0, sched.send_seq, [slot])
+        sched.done(slot)
+        sched.take(sched.send_seq)
+        sched.send_seq += 1
+        super().lend(slot, base)
+
+    def take_returned(self) -> list[int]:
+        """What the consumer's round takes back: released slots, then the reclaimed ones."""
+        released = self.take_released()
+        for slot in released:
+            self.sched.give_back(slot)
+        lent = [s for s in range(self.sched.num_slots) if self.sched.state(s) is SlotState.LENT]
+        self.sched.reclaim(self.bases)
+        self.sched.check()
+        return released + [s for s in lent if self.sched.state(s) is SlotState.FREE]
+
+
 def test_a_dropped_batch_returns_its_slot_once() -> None:
-    leases = Leases()
+    leases = Consumer()
     b = base()
     leases.lend(0, b)
-    assert leases.holding() == 1 and not leases.returned
+    assert leases.holding() == 1
     del b
-    assert leases.returned and leases.holding() == 0
+    assert leases.holding() == 0
     assert leases.take_returned() == [0] and leases.take_returned() == []
     assert leases.lent == set()
 
 
 def test_release_then_drop_returns_once() -> None:
-    leases = Leases()
+    leases = Consumer()
     b = base()
     leases.lend(0, b)
     assert leases.release(0) is True and leases.release(0) is False
@@ -37,7 +67,7 @@ def test_release_then_drop_returns_once() -> None:
 
 
 def test_drop_then_release_before_the_consumer_looks_returns_once() -> None:
-    leases = Leases()
+    leases = Consumer()
     b = base()
     leases.lend(0, b)
     del b
@@ -46,7 +76,7 @@ def test_drop_then_release_before_the_consumer_looks_returns_once() -> None:
 
 
 def test_a_stale_return_never_takes_back_the_slot_lent_again() -> None:
-    leases = Leases()
+    leases = Consumer()
     old = base()
     leases.lend(0, old)
     leases.release(0)
@@ -61,7 +91,7 @@ def test_a_stale_return_never_takes_back_the_slot_lent_again() -> None:
 
 def test_batches_dropped_by_other_threads_come_back_exactly_once() -> None:
     n = 64
-    leases = Leases()
+    leases = Consumer()
     bases = [base() for _ in range(n)]
     for slot, b in enumerate(bases):
         leases.lend(slot, b)
@@ -96,13 +126,13 @@ def test_a_view_of_a_view_keeps_the_slot_lent() -> None:
     # What a batch's last view is: a tensor over the base, a slice of it, a numpy view of that.
     import torch
 
-    leases = Leases()
+    leases = Consumer()
     b = base()
     tensor = torch.from_numpy(b)
     leases.lend(0, b)
     del b
     part = tensor[1:].numpy()[::2]
     del tensor
-    assert not leases.returned and leases.holding() == 1 and leases.take_returned() == []
+    assert leases.holding() == 1 and leases.take_returned() == []
     del part
-    assert leases.returned and leases.take_returned() == [0] and leases.holding() == 0
+    assert leases.take_returned() == [0] and leases.holding() == 0

@@ -1,6 +1,7 @@
-"""SlotTable under random sequences of dispatch / done / overflow / grant / take / give back /
-kill / epoch: every slot is always in exactly one state, the per-worker load and the
-outstanding count stay exact, and every task of the current epoch is taken exactly once."""
+"""The native slot table under random sequences of dispatch / done / overflow / grant / drop /
+take / give back / kill / epoch: after every step it is exactly the Python model
+(tests/slot_model.py) and its own invariants hold (``check``); every task of the current
+epoch is taken at most once."""
 
 from __future__ import annotations
 
@@ -9,76 +10,94 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from shmloader._slots import SlotState, SlotTable
+from shmloader._slots import Scheduler, SlotState
+from tests.slot_model import ModelTable, same
+
+SLOTS, WORKERS = 5, 2
 
 
 class SlotMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.table = SlotTable(num_slots=5, num_workers=2)
+        self.native = Scheduler(SLOTS, WORKERS, SLOTS - 1)
+        self.model = ModelTable(SLOTS, WORKERS, SLOTS - 1)
         self.next_seq = 0
         self.taken: list[tuple[int, int]] = []  # (epoch, seq) taken by the consumer
         self.sent: set[tuple[int, int]] = set()  # (epoch, seq) dispatched
 
     def _slots(self, state: SlotState) -> list[int]:
-        return [s for s, st in enumerate(self.table.state) if st is state]
+        return [s for s, st in enumerate(self.model.state) if st is state]
 
-    @precondition(lambda self: bool(self.table.free))
-    @rule(worker=st.integers(0, 1))
+    @precondition(lambda self: bool(self.model.free))
+    @rule(worker=st.integers(0, WORKERS - 1))
     def dispatch(self, worker: int) -> None:
-        self.table.dispatch(worker, self.next_seq, [self.next_seq])
-        self.sent.add((self.table.epoch, self.next_seq))
+        assert self.native.dispatch(worker, self.next_seq, [self.next_seq]) == self.model.dispatch(
+            worker, self.next_seq, [self.next_seq])
+        self.sent.add((self.model.epoch, self.next_seq))
         self.next_seq += 1
 
     @precondition(lambda self: bool(self._slots(SlotState.IN_FLIGHT)))
     @rule(data=st.data())
     def done(self, data: st.DataObject) -> None:
-        self.table.done(data.draw(st.sampled_from(self._slots(SlotState.IN_FLIGHT))))
+        slot = data.draw(st.sampled_from(self._slots(SlotState.IN_FLIGHT)))
+        assert self.native.done(slot) == self.model.done(slot)
 
     @precondition(lambda self: bool(self._slots(SlotState.IN_FLIGHT)))
     @rule(data=st.data(), needed=st.integers(1, 1 << 20))
     def overflow(self, data: st.DataObject, needed: int) -> None:
-        self.table.overflowed(data.draw(st.sampled_from(self._slots(SlotState.IN_FLIGHT))), needed)
+        slot = data.draw(st.sampled_from(self._slots(SlotState.IN_FLIGHT)))
+        assert self.native.overflowed(slot, needed) == self.model.overflowed(slot, needed)
 
-    @precondition(lambda self: bool(self.table.waiting()))
+    @precondition(lambda self: bool(self._slots(SlotState.WAITING)))
     @rule()
     def grant_or_drop(self) -> None:
-        slot = self.table.waiting()[0]
-        if self.table.tasks[slot].epoch == self.table.epoch:
-            self.table.granted(slot)
+        slot = self.native.waiting()[0]
+        task = self.native.task_of(slot)
+        assert task is not None
+        if task.epoch == self.native.epoch:
+            self.native.granted(slot)
+            self.model.granted(slot)
         else:
-            self.table.drop(slot)
+            self.native.drop(slot)
+            self.model.drop(slot)
 
-    @precondition(lambda self: bool(self.table.ready))
+    @precondition(lambda self: bool(self.model.ready()))
     @rule(data=st.data(), keep=st.booleans())
     def take(self, data: st.DataObject, keep: bool) -> None:
-        seq = data.draw(st.sampled_from(sorted(self.table.ready)))
-        slot = self.table.take(seq)
-        self.taken.append((self.table.epoch, seq))
+        seq = data.draw(st.sampled_from(sorted(self.model.ready())))
+        slot = self.native.take(seq)
+        assert slot == self.model.take(seq)
+        self.taken.append((self.model.epoch, seq))
         if not keep:
-            self.table.give_back(slot)
+            self.native.give_back(slot)
+            self.model.give_back(slot)
 
     @precondition(lambda self: bool(self._slots(SlotState.LENT)))
     @rule(data=st.data())
     def give_back(self, data: st.DataObject) -> None:
-        self.table.give_back(data.draw(st.sampled_from(self._slots(SlotState.LENT))))
+        slot = data.draw(st.sampled_from(self._slots(SlotState.LENT)))
+        self.native.give_back(slot)
+        self.model.give_back(slot)
 
-    @rule(worker=st.integers(0, 1), to=st.integers(0, 1))
+    @rule(worker=st.integers(0, WORKERS - 1), to=st.integers(0, WORKERS - 1))
     def kill(self, worker: int, to: int) -> None:
-        for slot, task in self.table.orphans(worker):
-            if task.epoch == self.table.epoch:
-                self.table.redispatch(slot, task, to)
+        orphans = self.native.orphaned(worker)
+        assert orphans == self.model.orphans(worker)
+        for slot, task in orphans:
+            if task.epoch == self.model.epoch:
+                self.native.redispatch(slot, to, task.epoch, task.seq, task.index)
+                self.model.redispatch(slot, to, task.epoch, task.seq, task.index)
 
     @rule()
     def new_epoch(self) -> None:
-        self.table.new_epoch()
+        self.native.new_epoch()
+        self.model.new_epoch()
         self.next_seq = 0
 
     @invariant()
-    def consistent(self) -> None:
-        self.table.check()
-        counts = [self.table.count(s) for s in SlotState]
-        assert sum(counts) == self.table.num_slots
+    def exactly_the_model(self) -> None:
+        same(self.native, self.model)
+        assert sum(self.native.count(s) for s in SlotState) == SLOTS
         assert len(self.taken) == len(set(self.taken)), "a task was taken twice"
         assert set(self.taken) <= self.sent
 
@@ -88,23 +107,48 @@ TestSlotMachine.settings = settings(max_examples=200, stateful_step_count=60, de
 
 
 def test_wrong_transitions_are_refused() -> None:
-    table = SlotTable(num_slots=2, num_workers=1)
+    table = Scheduler(2, 1)
     slot = table.dispatch(0, 0, [0])
-    with pytest.raises(AssertionError, match="slot 0 is IN_FLIGHT, expected"):
+    with pytest.raises(AssertionError, match=r"slot 0 is IN_FLIGHT, expected \[LENT\]"):
         table.give_back(slot)
     table.overflowed(slot, 100)
     with pytest.raises(AssertionError, match="slot 0 is WAITING"):
         table.done(slot)
     table.granted(slot)
-    assert table.done(slot) is not None and table.take(0) == slot
+    assert table.done(slot) and table.take(0) == slot
+    with pytest.raises(KeyError):
+        table.take(0)
+    with pytest.raises(IndexError, match="slot 7 is not one of the 2 slots"):
+        table.give_back(7)
+    with pytest.raises(IndexError, match="worker 1 is not one of the 1 workers"):
+        table.dispatch(1, 1, [1])
     table.give_back(slot)
+    table.dispatch(0, 1, [1])
+    table.dispatch(0, 2, [2])
+    with pytest.raises(IndexError, match="no free slot"):
+        table.dispatch(0, 3, [3])
     table.check()
 
 
 def test_a_stale_request_for_memory_frees_its_slot() -> None:
-    table = SlotTable(num_slots=2, num_workers=1)
+    table = Scheduler(2, 1)
     slot = table.dispatch(0, 0, [0])
     table.new_epoch()
-    assert table.overflowed(slot, 100) is None
-    assert table.state[slot] is SlotState.FREE and table.load == [0]
+    assert table.overflowed(slot, 100) is False
+    assert table.state(slot) is SlotState.FREE and table.load == (0,)
     table.check()
+
+
+def test_resize_keeps_the_cursors_and_refuses_tasks() -> None:
+    table = Scheduler(3, 2, 4, epoch=5)
+    table.send_seq, table.rcvd_seq, table.banked, table.rr = 7, 3, 2, 1
+    table.active = [False, True]
+    slot = table.dispatch(1, 7, [7])
+    with pytest.raises(AssertionError, match="1 slots still have tasks"):
+        table.resize(9)
+    table.done(slot)
+    table.take(7)  # LENT: the old ring's, forgotten by the new table
+    table.resize(9)
+    table.check()
+    assert (table.num_slots, table.n_free, table.epoch, table.send_seq, table.rcvd_seq, table.banked, table.rr,
+            tuple(table.active), table.cap) == (9, 9, 5, 7, 3, 2, 1, (False, True), 4)

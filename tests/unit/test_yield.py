@@ -4,17 +4,18 @@ before it sleeps (README, "async for" section)."""
 from __future__ import annotations
 
 import mmap
-from typing import Any
 
 from shmloader import _native
-from shmloader._consume import RingIterator
 from shmloader._ring import YieldWait
+from shmloader._slots import Scheduler
+from shmloader._stats import Counters
+from shmloader._wait import READY, Waiter
 
 SEM = 64  # the ready semaphore's offset in the test's buffer
 
 
 class Ring:
-    """The ready semaphore where RingIterator._yield_for_ready looks for it."""
+    """The ready semaphore where the waiter looks for it."""
 
     def __init__(self) -> None:
         self.mm = mmap.mmap(-1, 4096)
@@ -22,29 +23,42 @@ class Ring:
         _native.sem_init(self.mm, SEM)
 
 
-class Consumer:
+class Life:
     def __init__(self) -> None:
-        self._ring: Any = Ring()
-        self.yields = YieldWait()
-        self._banked = 0
+        self.ring = Ring()
 
 
-def look(consumer: Consumer) -> bool:
-    return RingIterator._yield_for_ready(consumer)  # type: ignore[arg-type]
+def waiter() -> Waiter:
+    return Waiter(Life(), Scheduler(1, 1), None, Counters())  # type: ignore[arg-type]
+
+
+def no_sleep() -> None:
+    raise AssertionError("a token came while yielding: nothing is checked, nobody sleeps")
 
 
 def test_misses_halve_the_bound_down_to_its_floor_and_a_hit_restores_it() -> None:
-    c = Consumer()
+    ring = Ring()
+    yields = YieldWait()
     bounds = []
     for _ in range(6):
-        bounds.append(c.yields.bound)
-        assert not look(c) and c._banked == 0
+        bounds.append(yields.bound)
+        assert not yields(ring.mm, SEM)
     assert bounds == [64, 32, 16, 8, 4, 4] and (YieldWait.MOST, YieldWait.LEAST) == (64, 4)
-    _native.sem_post(c._ring.mm, SEM)
-    _native.sem_post(c._ring.mm, SEM)
-    assert look(c) and c._banked == 1  # one token taken and banked for _collect...
-    assert c.yields.bound == 64
-    assert _native.sem_wait(c._ring.mm, SEM, 0) and not _native.sem_wait(c._ring.mm, SEM, 0)  # ...the other left
+    _native.sem_post(ring.mm, SEM)
+    _native.sem_post(ring.mm, SEM)
+    assert yields(ring.mm, SEM)  # one token taken...
+    assert yields.bound == 64
+    assert _native.sem_wait(ring.mm, SEM, 0) and not _native.sem_wait(ring.mm, SEM, 0)  # ...the other left
+
+
+def test_a_token_taken_while_yielding_is_banked_for_the_step() -> None:
+    w = waiter()
+    mm = w.life.ring.mm
+    _native.sem_post(mm, SEM)
+    _native.sem_post(mm, SEM)
+    w.block(READY, no_sleep, None)
+    assert w.sched.banked == 1  # one token banked (a token means "look for DONE slots")...
+    assert _native.sem_wait(mm, SEM, 0) and not _native.sem_wait(mm, SEM, 0)  # ...the other left
 
 
 def test_yield_wait_says_how_many_yields_it_took_and_takes_one_token() -> None:

@@ -1,0 +1,179 @@
+"""Delivery (main process): from a taken slot to the user's batch, and the batch's way back.
+
+``Delivery`` owns what a batch is built from and lent through: the current ring's leases,
+the view ``_native.lend_lone`` builds one-tensor batches with, batches that came pickled over
+a worker's pipe, and the device stager. A batch is, in order of preference:
+
+- one tensor in its slot: built and lent in one native call (``lend_lone``);
+- views of its slot (``read_batch``), lent until its last view dies or ``release()``;
+- views of its own overflow memory: the slot is free at once, the memory once the batch dies;
+- a copy, when lending the slot would leave the workers no slot at all (the user holds the
+  rest of the ring: ``list(loader)``, a replay buffer), or when it came over the pipe;
+- on a device: copied on a side stream ahead of the consumer (``DeviceStager``); its slot
+  returns once the copy has completed.
+
+For an IterableDataset it also keeps, per worker, the dataset's state after the last batch
+delivered: where a replacement resumes, and what a checkpoint saves.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import torch
+
+from . import _device, _native
+from ._layout import Field
+from ._lease import Leases, copy_leaf, lone_args, read_batch, read_dataset_state
+from ._overflow import OverflowBroker
+from ._ring import Ring
+from ._slots import Scheduler, SlotState
+from ._stats import Counters
+
+
+class Delivery:
+    def __init__(self, sched: Scheduler, broker: OverflowBroker, counters: Counters, iterable: bool) -> None:
+        self.sched = sched
+        self.broker = broker
+        self.counters = counters
+        self.iterable = iterable
+        self.ring: Ring | None = None
+        self.leases = Leases()
+        self.lone: tuple[Any, ...] | None = None  # lend_lone's view of the ring (None: no one-tensor path)
+        self.piped: dict[int, bytes] = {}  # slot -> its (batch, dataset state), pickled over the pipe
+        self.stager: _device.DeviceStager | None = None
+        self.dataset_states: dict[int, bytes] = {}  # worker -> its dataset's state after its last delivered batch
+        self.last_worker: int | None = None  # worker of the last delivered batch
+
+    def attach(self, ring: Ring) -> None:
+        """Deliver from ``ring`` from now on (a new or grown one): its leases start empty; batches
+        of the ring before keep their memory by themselves."""
+        self.ring = ring
+        self.leases = Leases()
+        self.lone = None if self.iterable else lone_args(ring, ring.geometry.num_slots)
+
+    def new_epoch(self) -> None:
+        """Results the new epoch dropped (their slots FREE) take their piped payloads along."""
+        self.piped = {s: p for s, p in self.piped.items() if self.sched.state_of(s) != SlotState.FREE}
+        self.dataset_states = {}
+        self.last_worker = None
+        if self.stager is not None:
+            self.stager.drain()
+
+    # ------------------------------------------------------------ batches
+    def deliver(self, slot: int) -> Any:
+        """The batch of ``slot``, just taken (LENT)."""
+        if self.lone is not None:  # (it checks the header: a piped or overflow batch is left alone)
+            built = _native.lend_lone(slot, self.leases.bases, self.lone)  # one tensor in its slot: one call
+            if built is not None:
+                counters = self.counters
+                counters.batches += 1
+                counters.bytes += built[1]
+                return built[0]
+        ring = self.ring
+        assert ring is not None
+        piped = self.piped.pop(slot, None)
+        if piped is not None:
+            self.sched.give_back(slot)
+            batch, state = pickle.loads(piped)
+            if self.iterable:
+                self.delivered((int(ring.headers[slot][Field.WORKER]), state))
+            self.counters.batches += 1
+            self.counters.copies += 1
+            return batch
+        if self.iterable:
+            self.delivered(self.note(slot))
+        where = self.broker.where(slot)
+        if where is not None:
+            # The batch lies in its own overflow memory: the slot is free at once, the memory
+            # once the batch's last view is dropped.
+            self.sched.give_back(slot)
+            try:
+                batch, base, nbytes = read_batch(ring, slot, None, where)
+            except BaseException:
+                self.broker.drop(slot)
+                raise
+            self.broker.take(slot, base)
+            self.counters.overflow_batches += 1
+        else:
+            # Never lend the last slot: a caller that keeps every batch (list(loader), a
+            # replay buffer) would leave the workers nowhere to write. Copy instead.
+            leases = self.leases
+            last = self.sched.num_slots - 1  # lent slots before this one that leave none to the workers
+            copy = len(leases.bases) >= last and leases.holding() >= last
+            try:
+                batch, base, nbytes = read_batch(ring, slot, copy_leaf if copy else None)
+            except BaseException:
+                self.sched.give_back(slot)
+                raise
+            if copy:
+                self.counters.copies += 1
+                del base
+                self.sched.give_back(slot)
+            else:
+                leases.lend(slot, base)
+        self.counters.batches += 1
+        self.counters.bytes += nbytes
+        return batch
+
+    def stage(self, slot: int) -> None:
+        """Start the device copy of ``slot``'s batch (just taken); it is handed over by
+        ``pop_staged`` in its turn, and the slot returns once the copy completed (``reap``)."""
+        assert self.stager is not None and self.ring is not None
+        where = self.broker.where(slot)
+        self.counters.overflow_batches += where is not None
+        self.counters.bytes += self.stager.stage(self.ring, slot, self.note(slot), where)
+
+    def pop_staged(self) -> Any:
+        assert self.stager is not None
+        batch, note = self.stager.pop()
+        self.delivered(note)
+        self.counters.batches += 1
+        return batch
+
+    def reap(self, block: bool = False) -> None:
+        """Slots whose device copies completed go back (with their overflow memory); with
+        ``block``, after waiting for the oldest copy."""
+        assert self.stager is not None
+        for slot in self.stager.reap(block):
+            self.sched.give_back(slot)
+            self.broker.drop(slot)
+
+    # ---------------------------------------------------- IterableDataset
+    def note(self, slot: int) -> tuple[int, bytes] | None:
+        """For an IterableDataset: which worker made this batch and its dataset's state after it."""
+        if not self.iterable:
+            return None
+        assert self.ring is not None
+        return int(self.ring.headers[slot][Field.WORKER]), read_dataset_state(self.ring, slot, self.broker.where(slot))
+
+    def delivered(self, note: tuple[int, bytes] | None) -> None:
+        if note is not None:
+            self.last_worker = note[0]
+            if note[1]:
+                self.dataset_states[note[0]] = note[1]
+
+    def shard_state(self, wid: int, first_epoch_state: bytes) -> bytes:
+        """Where a replacement of IterableDataset worker ``wid`` resumes its shard: the state its
+        dataset stored after the last batch it made that is kept (ready, staged, or delivered),
+        in this epoch; ``first_epoch_state`` (a checkpoint's, or the shard's start) when there is
+        none."""
+        assert self.ring is not None
+        sched = self.sched
+        kept = [(task.seq, slot) for slot in sched.ready() if (task := sched.task_of(slot)) and task.worker == wid]
+        if kept:
+            slot = max(kept)[1]
+            piped = self.piped.get(slot)
+            if piped is not None:
+                state: bytes = pickle.loads(piped)[1]
+                return state
+            return read_dataset_state(self.ring, slot, self.broker.where(slot))
+        staged = [note for note in ([] if self.stager is None else self.stager.notes()) if note and note[0] == wid]
+        if staged:
+            note: tuple[int, bytes] = staged[-1]
+            return note[1]
+        return self.dataset_states.get(wid, first_epoch_state)
+
+    def make_stager(self, device: torch.device, depth: int) -> None:
+        self.stager = _device.DeviceStager(device, depth)

@@ -1,0 +1,226 @@
+"""The ring's lifecycle (main process): the workers, the segment, and every change of either.
+
+``Lifecycle`` owns the worker pool, the doorbell, the ring and whether it is page-locked.
+It starts an iterator's ring (the first batch probed to size the slots, the segment created
+and pinned, every worker attached), grows it when batches outgrow its slots, replaces dead
+workers, and shuts everything down. Each change of ring hands the new one to the scheduler
+and to delivery in one step, so nothing ever reads one ring through another's table.
+
+Generators here yield wait requests (``("conns", workers)``) as the iterator's steps do,
+and take ``check``: the iterator's look at dead workers and the timeout.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Generator
+
+import torch
+
+from . import _device
+from ._budget import plan_ring
+from ._delivery import Delivery
+from ._dispatch import as_list
+from ._errors import ShmLoaderError, raise_worker_error
+from ._layout import RESIZE_TASK, RingGeometry, Status
+from ._overflow import OverflowBroker
+from ._pool import WorkerPool
+from ._ring import Doorbell, Ring
+from ._slots import Scheduler
+from ._stats import Counters
+from ._worker import WorkerConfig
+
+Steps = Generator[tuple[Any, ...], None, Any]
+
+
+class Lifecycle:
+    def __init__(self, ctx: Any, configs: list[WorkerConfig], sched: Scheduler, delivery: Delivery,
+                 broker: OverflowBroker, counters: Counters) -> None:
+        self.sched = sched
+        self.delivery = delivery
+        self.broker = broker
+        self.counters = counters
+        self.doorbell = Doorbell()
+        try:
+            self.pool = WorkerPool(ctx, configs, self.doorbell.fd)
+        except BaseException:
+            self.doorbell.close()
+            raise
+        self.ring: Ring | None = None
+        self.pinned = False  # the ring is page-locked (pin_memory=True or device= on CUDA)
+        self.started = False  # the ring exists and every worker has attached to it once
+        self.stopped = False
+        self.attaching: dict[int, Any] = {}  # workers sent a new ring, not yet attached: worker -> its process
+
+    # -------------------------------------------------------------- start
+    def start(self, sampler: Any, batch_bytes: int | None, slot_bytes: int | None, prefetch_factor: int,
+              budget: int | None, pin: str | None, device: torch.device | None, device_prefetch: int,
+              check: Callable[[], None], batch_failed: Callable[[], None]) -> Steps:
+        """Size the ring (from the first batch, unless its size is known), create it, attach
+        every worker. The first batch's task is probed: made privately by its worker, which
+        keeps it and writes it into its slot once the ring exists. ``pin``: pin_memory's
+        device (the ring is page-locked on CUDA, and with ``device``), or None."""
+        sched = self.sched
+        first = batch_bytes
+        probe: tuple[int, int, Any] | None = None
+        while slot_bytes is None and first is None:
+            task = sched.next_task(sampler)
+            if task is None:
+                return
+            wid, seq, index = task
+            _, status, needed, error = yield from self._probe(wid, seq, index, check)
+            if status == Status.STOP:
+                active = list(sched.active)
+                active[wid] = False
+                sched.active = active
+                sched.rcvd_seq = seq + 1  # only exhausted shards came before
+            elif status == Status.ERROR:  # the first batch's own error: raised, and the next one is probed
+                sched.rcvd_seq = seq + 1
+                batch_failed()
+                raise_worker_error(error)
+            elif status == Status.INIT_ERROR:
+                self.shutdown()
+                raise_worker_error(error)
+            else:
+                first = needed
+                self.broker.remember(first)  # later epochs skip the probe
+                probe = (wid, seq, index)
+        if slot_bytes is not None and first is not None:  # slot_bytes= is a hint: a ring grown past it stays grown
+            slot_bytes = max(slot_bytes, first)
+        geometry = plan_ring(sched.num_workers, prefetch_factor, first, slot_bytes, budget)
+        ring = Ring(geometry)
+        if device is not None:
+            self.delivery.make_stager(device, device_prefetch)
+        try:
+            if device is not None or pin == "cuda":
+                self.pinned = _device.register_host(ring.mm, geometry.total_bytes)
+            elif pin is not None:
+                _device.warn_unsupported(pin)
+        except BaseException:
+            ring.close()
+            raise
+        self._use(ring)
+        self.attaching = dict(enumerate(self.pool.procs))
+        for wid in range(sched.num_workers):
+            pending = -1
+            if probe is not None and probe[0] == wid:
+                pending = sched.dispatch(wid, probe[1], probe[2])
+            self.pool.send(wid, ("ring", geometry, pending), ring.fd, dead_ok=True)
+        yield from self.await_attached(check)
+        self.started = True
+
+    def _probe(self, wid: int, seq: int, index: Any, check: Callable[[], None]) -> Steps:
+        """Worker ``wid``'s answer for batch ``seq`` (the epoch's first, made privately to size
+        the ring). A worker that dies first is replaced (within max_worker_restarts: ``check``)
+        and its replacement asked again."""
+        pool = self.pool
+        while True:
+            proc = pool.procs[wid]
+            pool.send(wid, ("probe", self.sched.epoch, seq, as_list(index)), dead_ok=True)
+            while pool.procs[wid] is proc and not pool.conns[wid].poll():
+                check()
+                if pool.procs[wid] is proc:
+                    yield ("conns", [wid])
+            if pool.procs[wid] is proc:
+                reply = pool.recv(wid)
+                if reply is not None:
+                    return tuple(reply)
+                check()  # it died as it answered: replaced here, then asked again
+
+    def await_attached(self, check: Callable[[], None]) -> Steps:
+        """Wait until every worker sent a new ring (``attaching``: worker -> its process then)
+        says it attached. A worker that dies meanwhile is replaced by ``check`` (its
+        replacement maps the ring by itself and says nothing) and no longer waited for. The
+        state lives here: a wait cancelled by ``async for`` resumes at the next step, before
+        anything else reads a connection."""
+        attaching, pool = self.attaching, self.pool
+        while attaching:
+            check()
+            for wid, proc in list(attaching.items()):
+                if pool.procs[wid] is not proc:
+                    del attaching[wid]  # replaced (by the check above): its successor has the ring
+                elif pool.conns[wid].poll():
+                    reply = pool.recv(wid)
+                    if reply is None:
+                        continue  # it died as it answered: the next check replaces it
+                    if reply != ("attached",):
+                        self.shutdown()
+                        raise ShmLoaderError(f"DataLoader worker {wid} answered {reply!r:.200} to a new ring, "
+                                             "expected ('attached',): the setup protocol is broken")
+                    del attaching[wid]
+            if attaching:
+                yield ("conns", sorted(attaching))
+
+    def _use(self, ring: Ring) -> None:
+        """``ring`` is the iterator's from here on: the scheduler's table (resized, all FREE) and
+        delivery's leases follow it in this one step."""
+        self.ring = ring
+        self.sched.resize(ring.geometry.num_slots)
+        self.sched.attach(ring.mm, ring.header_offsets, ring.data_offsets, ring.data_bytes, ring.queue_offsets,
+                          ring.queue_len, tuple(ring.task_sems), ring.ready_sem, ring.tails)
+        self.delivery.attach(ring)
+
+    # --------------------------------------------------------------- grow
+    def grow(self, budget: int | None, check: Callable[[], None]) -> Steps:
+        """Replace the drained ring by one with larger slots (``broker.grow_to``); every worker
+        attaches to it. Under memory_budget only when the new ring, and room for one batch to
+        overflow, fit beside what is still held (the old ring while the user views it);
+        otherwise overflow keeps carrying large batches."""
+        old, broker = self.ring, self.broker
+        assert old is not None and broker.grow_to is not None
+        size, broker.grow_to = broker.grow_to, None
+        g = RingGeometry(self.sched.num_workers, self.sched.num_slots, size)
+        held = old.geometry.total_bytes if self.delivery.leases.holding() else 0
+        # Under memory_budget, only with room left beside it for a batch of that size to
+        # overflow: a grown ring that fills the budget would make the next larger batch an error.
+        if budget is not None and g.total_bytes + size + held + broker.arena.in_use > budget:
+            broker.growth_declined = True
+            return
+        ring = Ring(g)
+        try:
+            if self.pinned:
+                _device.register_host(ring.mm, g.total_bytes)
+        except BaseException:
+            ring.close()
+            raise
+        # (nothing was in flight: the old ring drained.) A worker replaced from here on
+        # inherits the new ring. The old ring is closed whatever happens next.
+        self._use(ring)
+        self.attaching = dict(enumerate(self.pool.procs))
+        try:
+            for wid in range(self.sched.num_workers):
+                # One that died already (unseen: liveness is checked before sleeping) is replaced
+                # by await_attached's check, on the new ring: it is then no longer waited for.
+                self.pool.send(wid, ("ring", -1, ring.geometry), ring.fd, dead_ok=True)
+                old.push_task(wid, RESIZE_TASK)
+        finally:
+            old.close()
+            if held:
+                broker.arena.retire(old.mm, held)
+            self.counters.ring_growths += 1
+        yield from self.await_attached(check)
+
+    # ------------------------------------------------------------ workers
+    def replace(self, wid: int, shard: tuple[bytes, int] | None) -> None:
+        """Start a worker in place of dead ``wid``: a fresh one while no ring exists (it begins
+        with the setup protocol again), else one that maps the ring by itself (its task queue
+        renewed), resuming an IterableDataset's shard from ``shard``."""
+        if self.ring is None:
+            self.pool.restart(wid, self.doorbell.fd)
+            return
+        self.ring.renew_queue(wid)
+        self.pool.replace(wid, self.ring, self.doorbell.fd, shard)
+
+    def shutdown(self) -> None:
+        """Stop the workers, close the ring and the doorbell. Idempotent."""
+        if self.stopped:
+            return
+        self.stopped = True
+        stager = self.delivery.stager
+        try:
+            if stager is not None:
+                stager.stream.synchronize()  # no DMA may outlive the mapping it reads
+            self.pool.stop(self.ring)
+        finally:
+            if self.ring is not None:
+                self.ring.close()
+            self.doorbell.close()

@@ -1,0 +1,142 @@
+"""Waiting (main process): how ``next()`` and ``async for`` wait when nothing is ready.
+
+The iterator's steps (``_consume``) never wait themselves: they yield a *wait request* and
+are resumed once it is fulfilled. This module fulfils the three kinds, two ways:
+
+- ``READY``: a published slot. Sync: yield the CPU and look again a few times
+  (``YieldWait``), then check the workers and the timeout, then sleep on the ready semaphore
+  for at most ``CHECK_S``. Async: the doorbell eventfd (workers write it while the doorbell
+  flag in the segment is set) and the workers' process sentinels, on the running event loop.
+- ``COPY``: the oldest device copy. Sync: its CUDA event, synchronized. Async: its event
+  queried from the loop at growing intervals.
+- ``("conns", workers)``: a message on those workers' connections (start-up, a grown ring).
+
+A token taken from the ready semaphore while waiting is banked in the scheduler (a token
+means "look for DONE slots"). Worker deaths are noticed within ``CHECK_S`` either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from multiprocessing import connection as mp_connection
+from typing import Any, Callable
+
+from ._delivery import Delivery
+from ._lifecycle import Lifecycle
+from ._ring import YieldWait
+from ._slots import Scheduler
+from ._stats import Counters
+
+READY = ("ready",)
+COPY = ("copy",)
+CHECK_S = 0.25  # how often a blocked sync wait checks worker liveness
+
+
+class Waiter:
+    """Each wait takes ``check`` (the iterator's: it replaces dead workers or raises, and raises
+    past the timeout) and ``deadline`` (the user's timeout as a ``time.monotonic()`` value, or
+    None). (Passed per call: held here, they would make a reference cycle through the iterator,
+    which must die, and stop its workers, as soon as it is dropped.)"""
+
+    def __init__(self, life: Lifecycle, sched: Scheduler, delivery: Delivery, counters: Counters) -> None:
+        self.life = life
+        self.sched = sched
+        self.delivery = delivery
+        self.counters = counters
+        self.yields = YieldWait()  # a sync next()'s, before it sleeps on the ready semaphore
+
+    # ----------------------------------------------------------------- sync
+    def block(self, request: tuple[Any, ...], check: Callable[[], None], deadline: float | None) -> None:
+        began = time.perf_counter()
+        try:
+            self._block(request, check, deadline)
+        finally:
+            self.counters.blocked_s += time.perf_counter() - began
+
+    def _block(self, request: tuple[Any, ...], check: Callable[[], None], deadline: float | None) -> None:
+        if request is COPY:
+            self.delivery.reap(block=True)
+            return
+        if request is READY:
+            ring = self.life.ring
+            assert ring is not None
+            if self.yields(ring.mm, ring.ready_sem):
+                self.sched.banked += 1
+                return
+            check()  # only before sleeping: a batch that came while yielding needs no waitpid
+            if ring.take_ready(self.sleep_s(deadline)):  # a signal's handler (Ctrl-C) raises through it
+                self.sched.banked += 1
+            return
+        pool = self.life.pool
+        mp_connection.wait([pool.conns[w] for w in request[1]] + pool.sentinels, self.sleep_s(deadline))
+
+    def sleep_s(self, deadline: float | None) -> float:
+        """How long a sync wait may sleep before it looks again: CHECK_S (worker deaths are
+        seen within it), never past the user's ``timeout``."""
+        if deadline is None:
+            return CHECK_S
+        return max(0.0, min(CHECK_S, deadline - time.monotonic()))
+
+    # ---------------------------------------------------------------- async
+    async def wait(self, request: tuple[Any, ...], check: Callable[[], None], deadline: float | None) -> None:
+        began = time.perf_counter()
+        try:
+            await self._wait(request, check, deadline)
+        finally:
+            self.counters.blocked_s += time.perf_counter() - began
+
+    async def _wait(self, request: tuple[Any, ...], check: Callable[[], None], deadline: float | None) -> None:
+        if request is COPY:
+            await self._copy(check)
+            return
+        life = self.life
+        loop = asyncio.get_running_loop()
+        ring = None
+        if request is READY:
+            check()
+            ring = life.ring
+            assert ring is not None
+            ring.want_doorbell(True)  # workers ring the doorbell only while we wait on it
+            life.doorbell.drain()  # before the last look, so a post after the look still wakes us
+            if ring.take_ready(0):
+                ring.want_doorbell(False)
+                self.sched.banked += 1
+                return
+            fds = [life.doorbell.fd]
+        else:
+            fds = [life.pool.conns[w].fileno() for w in request[1]]
+        fds += life.pool.sentinels
+        woken = loop.create_future()
+
+        def wake() -> None:
+            if not woken.done():
+                woken.set_result(None)
+
+        for fd in fds:
+            loop.add_reader(fd, wake)
+        timer = None
+        if deadline is not None:
+            timer = loop.call_at(loop.time() + max(0.0, deadline - time.monotonic()), wake)
+        try:
+            await woken
+        finally:
+            for fd in fds:
+                loop.remove_reader(fd)
+            if timer is not None:
+                timer.cancel()
+            if ring is not None and not life.stopped:
+                ring.want_doorbell(False)
+
+    async def _copy(self, check: Callable[[], None]) -> None:
+        """Wait for the oldest device copy without blocking the event loop: its CUDA event is
+        queried from the loop, at intervals that grow from 50 µs to 2 ms (a copy of a large
+        batch takes milliseconds; a small one is seen at once). Dead workers and the timeout
+        are checked meanwhile."""
+        stager = self.delivery.stager
+        assert stager is not None
+        delay = 50e-6
+        while stager.copying and not stager.copying[0][0].query():
+            check()
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 2e-3)

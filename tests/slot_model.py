@@ -1,0 +1,213 @@
+"""A Python model of ``_native.Scheduler``: the slot table's transitions and the per-batch step,
+written plainly, for the tests to hold the native one to (tests/unit/test_slots.py,
+tests/unit/test_step.py). It is the specification, not a second implementation: nothing in
+shmloader uses it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shmloader._layout import DONE, Field, Region, Status
+from shmloader._ring import POSTED, Ring
+from shmloader._slots import Scheduler, SlotState, Step, Task
+
+FREE, IN_FLIGHT, WAITING, READY, LENT = (SlotState.FREE, SlotState.IN_FLIGHT, SlotState.WAITING, SlotState.READY,
+                                         SlotState.LENT)
+
+
+class ModelTable:
+    def __init__(self, num_slots: int, num_workers: int, cap: int, in_order: bool = True, epoch: int = 0) -> None:
+        self.num_slots, self.num_workers, self.cap, self.in_order, self.epoch = num_slots, num_workers, cap, in_order, epoch
+        self.state = [FREE] * num_slots
+        self.free = list(range(num_slots - 1, -1, -1))  # a stack: slot 0 is used first
+        self.tasks: dict[int, Task] = {}  # in dispatch order
+        self.load = [0] * num_workers
+        self.outstanding = 0
+        self.active = [True] * num_workers
+        self.rr = 0
+        self.send_seq = self.rcvd_seq = self.banked = 0
+        self.sampler_done = False
+        self.unposted: list[int] = []
+
+    @property
+    def waiting_count(self) -> int:
+        return self.state.count(WAITING)
+
+    def ready(self) -> dict[int, int]:
+        """seq -> slot of the READY slots."""
+        return {self.tasks[s].seq: s for s in self.tasks if self.state[s] is READY}
+
+    def _expect(self, slot: int, *states: SlotState) -> None:
+        if self.state[slot] not in states:
+            raise AssertionError(f"slot {slot} is {self.state[slot].name}, expected {[s.name for s in states]}")
+
+    def _free(self, slot: int) -> None:
+        self.tasks.pop(slot, None)
+        self.state[slot] = FREE
+        self.free.append(slot)
+
+    def _leave_worker(self, slot: int) -> None:
+        task = self.tasks[slot]
+        self.load[task.worker] -= 1
+        self.outstanding -= task.epoch == self.epoch
+
+    def dispatch(self, worker: int, seq: int, index: Any) -> int:
+        slot = self.free.pop()
+        self._expect(slot, FREE)
+        self.state[slot] = IN_FLIGHT
+        self.tasks[slot] = Task(worker, self.epoch, seq, index, 0)
+        self.load[worker] += 1
+        self.outstanding += 1
+        return slot
+
+    def redispatch(self, slot: int, worker: int, epoch: int, seq: int, index: Any) -> None:
+        self._expect(slot, FREE)
+        self.free.remove(slot)
+        self.state[slot] = IN_FLIGHT
+        self.tasks[slot] = Task(worker, epoch, seq, index, 0)
+        self.load[worker] += 1
+        self.outstanding += 1
+
+    def done(self, slot: int) -> bool:
+        self._expect(slot, IN_FLIGHT)
+        task = self.tasks[slot]
+        self.load[task.worker] -= 1
+        if task.epoch != self.epoch:
+            self._free(slot)
+            return False
+        self.outstanding -= 1
+        self.state[slot] = READY
+        return True
+
+    def overflowed(self, slot: int, needed: int) -> bool:
+        self._expect(slot, IN_FLIGHT)
+        if self.tasks[slot].epoch != self.epoch:
+            self._leave_worker(slot)
+            self._free(slot)
+            return False
+        self.state[slot] = WAITING
+        self.tasks[slot] = self.tasks[slot]._replace(needed=needed)
+        return True
+
+    def drop(self, slot: int) -> None:
+        self._expect(slot, WAITING)
+        self._leave_worker(slot)
+        self._free(slot)
+
+    def granted(self, slot: int) -> None:
+        self._expect(slot, WAITING)
+        self.state[slot] = IN_FLIGHT
+
+    def take(self, seq: int) -> int:
+        slot = self.ready()[seq]
+        self.state[slot] = LENT
+        del self.tasks[slot]
+        return slot
+
+    def give_back(self, slot: int) -> None:
+        self._expect(slot, LENT)
+        self.state[slot] = FREE
+        self.free.append(slot)
+
+    def orphans(self, worker: int) -> list[tuple[int, Task]]:
+        out = sorted(((s, t) for s, t in self.tasks.items() if t.worker == worker and self.state[s] in (IN_FLIGHT, WAITING)),
+                     key=lambda st: (st[1].epoch, st[1].seq))
+        for slot, _ in out:
+            self._leave_worker(slot)
+            self._free(slot)
+        return out
+
+    def new_epoch(self) -> None:
+        self.epoch += 1
+        for slot in [s for s in self.tasks if self.state[s] is READY]:  # in dispatch order
+            self._free(slot)
+        self.outstanding = 0
+        self.send_seq = self.rcvd_seq = self.rr = 0
+        self.sampler_done = False
+        self.active = [True] * self.num_workers
+
+    def pick(self) -> int:
+        n_active = sum(self.active)
+        for _ in range(self.num_workers):
+            w, self.rr = self.rr, (self.rr + 1) % self.num_workers
+            if self.active[w] and (self.in_order or self.load[w] < self.cap // n_active):
+                return w
+        return -1
+
+    # ------------------------------------------------------------- the step
+    def step(self, ring: Ring, bases: dict[int, Any], alive: dict[int, bool], sampler: Any, dispatch: bool,
+             take: bool) -> tuple[int, int]:
+        """What ``Scheduler.step`` must do: (answer, event slot or -1). ``alive[slot]``: whether
+        the base of lent ``slot`` is still held elsewhere."""
+        for slot in [s for s in bases if not alive[s]]:
+            del bases[slot]
+            self.give_back(slot)
+        while ring.take_ready(0):
+            self.banked += 1
+        for slot in list(self.tasks):
+            if self.banked <= 0:
+                break
+            hdr = ring.headers[slot]
+            if self.state[slot] is not IN_FLIGHT or hdr[Field.STATE] != DONE:
+                continue
+            task = self.tasks[slot]
+            if hdr[Field.R_SEQ] != task.seq or hdr[Field.R_EPOCH] != task.epoch:
+                return Step.TORN, slot
+            self.banked -= 1
+            if hdr[Field.STATUS] == Status.NEED_MEMORY:
+                return Step.NEED_MEMORY, slot
+            if hdr[Field.REGION] == Region.PIPE:
+                return Step.PIPE, slot
+            if not self.done(slot):
+                return Step.STALE, slot
+        if dispatch:
+            self._fill(ring, sampler)
+        if not take:
+            return Step.NOT_READY, -1
+        ready = self.ready()
+        if self.in_order:
+            slot = ready.get(self.rcvd_seq, -1)
+        else:
+            slot = ready[min(ready)] if ready else -1
+        if slot < 0:
+            return Step.NOT_READY, -1
+        self.take(self.tasks[slot].seq)
+        self.rcvd_seq += self.in_order
+        if ring.headers[slot][Field.STATUS] != Status.OK:
+            return Step.RESULT, slot
+        if dispatch:
+            self._fill(ring, sampler)
+        return slot, -1
+
+    def _fill(self, ring: Ring, sampler: Any) -> None:
+        while self.free and len(self.tasks) < self.cap and not self.sampler_done:
+            worker = self.pick()
+            if worker < 0:
+                self.sampler_done = True
+                return
+            try:
+                index = next(sampler)
+            except StopIteration:
+                self.sampler_done = True
+                return
+            slot = self.dispatch(worker, self.send_seq, index)
+            self.send_seq += 1
+            if ring.post_task(worker, slot, self.epoch, self.tasks[slot].seq, index) != POSTED:
+                self.unposted.append(slot)
+
+
+def same(native: Scheduler, model: ModelTable) -> None:
+    """Assert the native table is exactly the model's."""
+    native.check()
+    n = model.num_slots
+    assert [native.state(s) for s in range(n)] == model.state
+    assert native.free_slots() == model.free
+    assert native.tasks() == list(model.tasks)
+    assert [native.task_of(s) for s in native.tasks()] == list(model.tasks.values())
+    assert native.ready() == sorted(model.ready().values(), key=lambda s: model.tasks[s].seq)
+    assert list(native.load) == model.load
+    assert (native.outstanding, native.waiting_count, native.n_ready, native.n_free, native.n_tasks) == (
+        model.outstanding, model.waiting_count, len(model.ready()), len(model.free), len(model.tasks))
+    assert (list(native.active), native.rr, native.send_seq, native.rcvd_seq, native.banked,
+            native.sampler_done, native.epoch) == (model.active, model.rr, model.send_seq, model.rcvd_seq,
+                                                   model.banked, model.sampler_done, model.epoch)
