@@ -38,17 +38,17 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
 from . import _checkpoint
 from ._delivery import Delivery
-from ._dispatch import as_list, batches_of, post
-from ._errors import CorruptSlotError, StopCarrier, WorkerDiedError, raise_worker_error
-from ._layout import Counter, Field, Status
+from ._dispatch import batches_of
+from ._errors import CorruptSlotError, StopCarrier, raise_worker_error
+from ._layout import Field, Status
 from ._lease import leaves_of, read_pickled, slot_of
 from ._lifecycle import Lifecycle
 from ._overflow import OverflowArena, OverflowBroker
 from ._ring import Ring
-from ._slots import Scheduler, SlotState, Step
-from ._stats import Counters, RingOccupancy
+from ._slots import Scheduler, Step
+from ._stats import Counters, RingOccupancy, occupancy, worker_busy
 from ._wait import COPY, READY, Waiter
-from ._worker import WorkerConfig
+from ._produce import worker_configs
 
 PARENT_CHECK_S = 0.5  # how often an idle worker checks that this process lives
 # Private answers of the iterator's steps, never a user's value (a batch may be None, 0, [] ...)
@@ -56,7 +56,6 @@ _NOTHING = object()  # nothing ready yet
 _END = object()  # the epoch has ended
 _GROW = object()  # the ring must grow before anything else is dispatched
 _NOT_READY = int(Step.NOT_READY)
-_FREE = int(SlotState.FREE)
 
 _live: weakref.WeakSet[RingIterator] = weakref.WeakSet()  # iterators whose workers may run
 
@@ -114,23 +113,8 @@ class RingIterator(_BaseDataLoaderIter):
                                       functools.partial(_remember_batch_bytes, self._loader))
         self._delivery = Delivery(self._sched, self._broker, self._counters, self._iterable)
         resume: _checkpoint.IterableResume | None = loader._shm_resume_iterable
-        configs = [
-            WorkerConfig(
-                worker_id=i,
-                num_workers=self._num_workers,
-                dataset=self._dataset,
-                iterable=self._iterable,
-                auto_collation=self._auto_collation,
-                collate_fn=self._collate_fn,
-                drop_last=self._drop_last,
-                base_seed=int(self._base_seed),
-                worker_init_fn=loader.worker_init_fn,
-                parent_pid=os.getpid(),
-                parent_check_s=PARENT_CHECK_S,
-                dataset_state=b"" if resume is None else resume.dataset_states.get(i, b""),
-            )
-            for i in range(self._num_workers)
-        ]
+        configs = worker_configs(self, loader.worker_init_fn, int(self._base_seed), PARENT_CHECK_S,
+                                 {} if resume is None else resume.dataset_states)
         self._life = Lifecycle(loader.multiprocessing_context or torch.multiprocessing, configs, self._sched,
                                self._delivery, self._broker, self._counters)
         self._waiter = Waiter(self._life, self._sched, self._delivery, self._counters)
@@ -230,7 +214,7 @@ class RingIterator(_BaseDataLoaderIter):
                 room = stager is None or stager.has_room()
                 got = sched.step(delivery.leases.bases, self._sampler_iter, broker.grow_to is None, room)
                 if sched.has_unposted:
-                    self._post_unposted()
+                    self._life.post_unposted()
                 if got >= 0:
                     if stager is None:
                         return delivery.deliver(got)
@@ -262,26 +246,16 @@ class RingIterator(_BaseDataLoaderIter):
 
     def _on_event(self, code: int) -> None:
         """What ``Scheduler.step`` stopped at, for slot ``sched.event``."""
-        sched, ring = self._sched, self._life.ring
+        sched, life = self._sched, self._life
+        ring = life.ring
         assert ring is not None
         slot = sched.event
         hdr = ring.headers[slot]
         if code == Step.NEED_MEMORY:
-            task = sched.task_of(slot)
-            assert task is not None
-            if sched.overflowed(slot, hdr[Field.NEEDED]):
-                self._broker.want_growth(hdr[Field.NEEDED], ring.data_bytes)
-                self._grant()
-            else:
-                self._life.pool.send_memory(task.worker, slot, 0, -1)  # a stale epoch's batch: drop it
+            self._broker.requested(slot, hdr[Field.NEEDED], sched, ring, life.pool.send_memory, life.pinned,
+                                   self._delivery.stager is not None)
         elif code == Step.PIPE:
-            task = sched.task_of(slot)
-            assert task is not None
-            payload = self._life.pool.recv(task.worker, raw=True)  # sent after publishing: read it now, in order
-            if payload is None:
-                sched.banked += 1  # it died mid-send: its task is dispatched again, the token stays
-            elif sched.done(slot):
-                self._delivery.piped[slot] = payload
+            self._delivery.piped_in(slot, life.pool)
         elif code == Step.STALE:
             self._broker.drop(slot)
         elif code == Step.TORN:
@@ -291,21 +265,19 @@ class RingIterator(_BaseDataLoaderIter):
                 f"slot {slot} was published for task {hdr[Field.R_SEQ]} of epoch {hdr[Field.R_EPOCH]}, "
                 f"but holds task {task and task.seq} of epoch {task and task.epoch}: a torn or foreign write"
             )
-        elif code == Step.RESULT:  # taken, and not a batch
+        elif code == Step.RESULT:  # taken, and not a batch: an end of shard, or an error
             status = hdr[Field.STATUS]
             sched.give_back(slot)
             if status == Status.STOP:
-                active = list(sched.active)
-                active[hdr[Field.WORKER]] = False
-                sched.active = active
+                sched.active = [on and w != hdr[Field.WORKER] for w, on in enumerate(sched.active)]
                 return
             self._broker.drop(slot)
             if status == Status.ERROR or status == Status.INIT_ERROR:
                 error = pickle.loads(read_pickled(ring, slot))
                 if status == Status.ERROR:
-                    self._batch_failed()
+                    self._batch_failed()  # the loader goes on, as torch's does
                 else:
-                    self._shutdown_workers()
+                    self._shutdown_workers()  # worker_init_fn failed: the worker cannot go on
                 raise_worker_error(error)
             self._shutdown_workers()
             raise CorruptSlotError(f"slot {slot}: unknown result status {status}")
@@ -317,23 +289,6 @@ class RingIterator(_BaseDataLoaderIter):
         assert ring is not None
         self._broker.grant(self._sched, ring, self._life.pool.send_memory, self._life.pinned,
                            self._delivery.stager is not None)
-
-    def _post_unposted(self) -> None:
-        """Tasks the step dispatched but could not post (an index that is no list of int64 ints,
-        or too large for its slot): pickled into the slot, or over the worker's connection."""
-        ring, sched = self._life.ring, self._sched
-        assert ring is not None
-        for slot in sched.take_unposted():
-            self._post(slot)
-
-    def _post(self, slot: int) -> None:
-        ring, task = self._life.ring, self._sched.task_of(slot)
-        assert ring is not None and task is not None
-        send = self._life.pool.send
-        needed = post(ring, lambda wid, msg: send(wid, msg, dead_ok=True), slot, task.worker, task.epoch, task.seq,
-                      task.index)
-        if needed:
-            self._broker.want_growth(needed, ring.data_bytes)
 
     def _batch_failed(self) -> None:
         self._raising_batch_error = True
@@ -351,63 +306,9 @@ class RingIterator(_BaseDataLoaderIter):
     def _check(self) -> None:
         """Replace dead workers (or raise); raise if the user's ``timeout`` has passed."""
         for wid in self._life.pool.dead():
-            self._recover(wid)
+            self._life.recover(wid, self._max_restarts, self._iterable and not _checkpoint.has_state(self._dataset))
         if self._deadline is not None and time.monotonic() >= self._deadline:
             raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
-
-    def _recover(self, wid: int) -> None:
-        """Replace dead worker ``wid`` and dispatch its tasks again, or raise WorkerDiedError.
-
-        Its slots may be half written: each is reset and its task (same epoch, seq and
-        index) goes to its replacement (same worker id and seeds, so the batch -> worker
-        assignment stays torch's), so the epoch still yields every batch exactly once and in
-        order. Overflow memory granted to its tasks is dropped.
-        """
-        sched, life = self._sched, self._life
-        pool = life.pool
-        current = sorted((task.seq, slot) for slot in sched.of_worker(wid)
-                         if (task := sched.task_of(slot)) and task.epoch == sched.epoch)
-        doing = ""
-        if current:
-            task = sched.task_of(current[0][1])
-            assert task is not None
-            doing = f" while producing batch {task.seq} (index {as_list(task.index)!r:.200})"
-        elif life.ring is None:
-            doing = " before it answered for the first batch, before the ring was set up"
-        used = self._counters.worker_restarts
-        reason = None
-        if life.started and self._iterable and not _checkpoint.has_state(self._dataset):
-            # (before the start, a worker has made at most the first batch, privately: its
-            # replacement makes it again from the shard's start)
-            reason = ("an IterableDataset worker cannot be replaced without repeating or losing its shard; "
-                      "give the dataset state_dict() and load_state_dict() to make its workers replaceable")
-        elif used >= self._max_restarts:
-            reason = f"{used} of max_worker_restarts={self._max_restarts} restarts are used up"
-        if reason is not None:
-            hint = (" If it ran out of memory, lower batch_size, num_workers or prefetch_factor; to tolerate "
-                    "more deaths raise max_worker_restarts." if pool.killed(wid) else "")
-            raise WorkerDiedError(f"{pool.death(wid)}{doing}; {reason}.{hint}")
-        self._counters.worker_restarts += 1
-        if life.ring is None:  # it died probing the first batch: a fresh worker, which start() asks again
-            life.replace(wid, None)
-            return
-        # It may have published a slot DONE and died before posting its token: a slot found
-        # DONE for another worker's token leaves that worker's slot with no token to come. One
-        # more banked token makes the step look again; a surplus one only makes it look once
-        # more later (a token means "look for DONE slots", never "this slot is done").
-        sched.banked += 1
-        orphans = sched.orphaned(wid)
-        for slot, _ in orphans:
-            self._broker.drop(slot)
-        shard = None
-        if self._iterable:  # the iterator's first epoch may have begun from a checkpoint: its state
-            first = pool.configs[wid].dataset_state if sched.epoch == 0 else b""
-            shard = (self._delivery.shard_state(wid, first), sched.epoch)
-        life.replace(wid, shard)
-        for slot, task in orphans:  # to its replacement: the batch -> worker assignment stays torch's
-            if task.epoch == sched.epoch:
-                sched.redispatch(slot, wid, task.epoch, task.seq, task.index)
-                self._post(slot)
 
     # --------------------------------------------------------------- sync
     def __next__(self) -> Any:
@@ -541,26 +442,13 @@ class RingIterator(_BaseDataLoaderIter):
         ring = self._life.ring
         if ring is None:
             return None
-        held = self._delivery.leases.holding()
         stager = self._delivery.stager
-        copying = 0 if stager is None else len(stager.copying)
-        sched = self._sched
-        in_flight = sched.count(SlotState.IN_FLIGHT) + sched.count(SlotState.WAITING)
-        ready = sched.n_ready + copying
-        return RingOccupancy(slots=sched.num_slots, slot_bytes=ring.geometry.data_bytes,
-                             free=sched.num_slots - held - in_flight - ready, in_flight=in_flight, ready=ready,
-                             held=held)
+        return occupancy(self._sched, ring.geometry.data_bytes, self._delivery.leases.holding(),
+                         0 if stager is None else len(stager.copying))
 
     def worker_busy(self) -> tuple[float, ...]:
         ring = self._life.ring
-        if ring is None:
-            return ()
-        now = time.monotonic_ns()
-        busy = []
-        for c in ring.counters:
-            started, spent = int(c[Counter.STARTED_NS]), int(c[Counter.BUSY_NS])
-            busy.append(min(1.0, spent / (now - started)) if started and now > started else 0.0)
-        return tuple(busy)
+        return () if ring is None else worker_busy(ring.counters)
 
     # ----------------------------------------------------------- shutdown
     def _shutdown_workers(self) -> None:

@@ -27,6 +27,7 @@ from . import _device, _native
 from ._layout import Field
 from ._lease import Leases, copy_leaf, lone_args, read_batch, read_dataset_state
 from ._overflow import OverflowBroker
+from ._pool import WorkerPool
 from ._ring import Ring
 from ._slots import Scheduler, SlotState
 from ._stats import Counters
@@ -116,6 +117,18 @@ class Delivery:
         self.counters.batches += 1
         self.counters.bytes += nbytes
         return batch
+
+    def piped_in(self, slot: int, pool: WorkerPool) -> None:
+        """``slot``'s batch comes pickled over its worker's connection (published ``Region.PIPE``:
+        memory_budget had no room while the user held it): read now, in the pipe's order, and
+        the slot READY. A worker that died mid-send leaves it IN_FLIGHT: dispatched again."""
+        task = self.sched.task_of(slot)
+        assert task is not None
+        payload = pool.recv(task.worker, raw=True)
+        if payload is None:
+            self.sched.banked += 1  # (the token stays: the slot's next publication is its)
+        elif self.sched.done(slot):
+            self.piped[slot] = payload
 
     def stage(self, slot: int) -> None:
         """Start the device copy of ``slot``'s batch (just taken); it is handed over by

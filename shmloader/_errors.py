@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from typing import NoReturn
 
 from torch._utils import ExceptionWrapper
@@ -66,3 +67,42 @@ def raise_worker_error(error: ExceptionWrapper) -> NoReturn:
             raise StopCarrier(exc) from None
         raise
     raise AssertionError("ExceptionWrapper.reraise() returned")
+
+
+CUT = "\n[... {} characters of the traceback cut so that the error fits its ring slot ...]\n"
+
+
+def picklable(error: ExceptionWrapper) -> ExceptionWrapper:
+    """``error``, made to pickle: an exception class that cannot be pickled (one defined inside
+    a function) travels as a RuntimeError whose message names it."""
+    try:
+        pickle.dumps(error.exc_type)
+    except Exception:
+        name = f"{error.exc_type.__module__}.{error.exc_type.__qualname__}"
+        error.where = f"(raised as {name}, which cannot be pickled) {error.where}"
+        error.exc_type = RuntimeError  # the traceback text still ends with the original type and message
+    return error
+
+
+def fit_error(error: ExceptionWrapper, cap: int) -> bytes:
+    """``error`` pickled (see ``picklable``) in at most ``cap`` bytes. A traceback too long
+    for the slot is cut from the middle: its first line (which worker) and its end (the
+    exception's type and message) stay, and the cut says so; sizes are counted in encoded
+    bytes, not characters."""
+    payload = pickle.dumps(picklable(error))
+    if len(payload) <= cap:
+        return payload
+    text = error.exc_msg
+    keep = len(text)
+    while keep > 0:
+        keep = min(keep - 1, keep * (cap - 256) // max(1, len(payload)))  # shrink at least one character
+        head = text[: keep // 4]
+        tail = text[len(text) - (keep - keep // 4) :] if keep else ""
+        error.exc_msg = head + CUT.format(len(text) - keep) + tail
+        payload = pickle.dumps(error)
+        if len(payload) <= cap:
+            return payload
+    error.exc_msg = CUT.format(len(text))
+    payload = pickle.dumps(error)
+    assert len(payload) <= cap, (len(payload), cap)  # a slot holds at least a page
+    return payload

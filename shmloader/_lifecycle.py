@@ -19,15 +19,15 @@ import torch
 from . import _device
 from ._budget import plan_ring
 from ._delivery import Delivery
-from ._dispatch import as_list
-from ._errors import ShmLoaderError, raise_worker_error
+from ._dispatch import as_list, post
+from ._errors import ShmLoaderError, WorkerDiedError, raise_worker_error
 from ._layout import RESIZE_TASK, RingGeometry, Status
 from ._overflow import OverflowBroker
 from ._pool import WorkerPool
 from ._ring import Doorbell, Ring
 from ._slots import Scheduler
 from ._stats import Counters
-from ._worker import WorkerConfig
+from ._produce import WorkerConfig
 
 Steps = Generator[tuple[Any, ...], None, Any]
 
@@ -200,15 +200,78 @@ class Lifecycle:
         yield from self.await_attached(check)
 
     # ------------------------------------------------------------ workers
-    def replace(self, wid: int, shard: tuple[bytes, int] | None) -> None:
-        """Start a worker in place of dead ``wid``: a fresh one while no ring exists (it begins
-        with the setup protocol again), else one that maps the ring by itself (its task queue
-        renewed), resuming an IterableDataset's shard from ``shard``."""
-        if self.ring is None:
-            self.pool.restart(wid, self.doorbell.fd)
+    def recover(self, wid: int, max_restarts: int, unresumable: bool) -> None:
+        """Replace dead worker ``wid`` and dispatch its tasks again, or raise WorkerDiedError
+        (past ``max_restarts``, or for an IterableDataset whose shard cannot resume:
+        ``unresumable``).
+
+        Its slots may be half written: each is reset and its task (same epoch, seq and
+        index) goes to its replacement (same worker id and seeds, so the batch -> worker
+        assignment stays torch's), so the epoch still yields every batch exactly once and in
+        order. Overflow memory granted to its tasks is dropped.
+        """
+        sched, pool = self.sched, self.pool
+        current = sorted((task.seq, slot) for slot in sched.of_worker(wid)
+                         if (task := sched.task_of(slot)) and task.epoch == sched.epoch)
+        doing = ""
+        if current:
+            task = sched.task_of(current[0][1])
+            assert task is not None
+            doing = f" while producing batch {task.seq} (index {as_list(task.index)!r:.200})"
+        elif self.ring is None:
+            doing = " before it answered for the first batch, before the ring was set up"
+        used = self.counters.worker_restarts
+        reason = None
+        if self.started and unresumable:
+            # (before the start, a worker has made at most the first batch, privately: its
+            # replacement makes it again from the shard's start)
+            reason = ("an IterableDataset worker cannot be replaced without repeating or losing its shard; "
+                      "give the dataset state_dict() and load_state_dict() to make its workers replaceable")
+        elif used >= max_restarts:
+            reason = f"{used} of max_worker_restarts={max_restarts} restarts are used up"
+        if reason is not None:
+            hint = (" If it ran out of memory, lower batch_size, num_workers or prefetch_factor; to tolerate "
+                    "more deaths raise max_worker_restarts." if pool.killed(wid) else "")
+            raise WorkerDiedError(f"{pool.death(wid)}{doing}; {reason}.{hint}")
+        self.counters.worker_restarts += 1
+        if self.ring is None:  # it died probing the first batch: a fresh worker, which start() asks again
+            pool.restart(wid, self.doorbell.fd)
             return
+        # It may have published a slot DONE and died before posting its token: a slot found
+        # DONE for another worker's token leaves that worker's slot with no token to come. One
+        # more banked token makes the step look again; a surplus one only makes it look once
+        # more later (a token means "look for DONE slots", never "this slot is done").
+        sched.banked += 1
+        orphans = sched.orphaned(wid)
+        for slot, _ in orphans:
+            self.broker.drop(slot)
+        shard = None
+        if self.delivery.iterable:  # the iterator's first epoch may have begun from a checkpoint: its state
+            first = pool.configs[wid].dataset_state if sched.epoch == 0 else b""
+            shard = (self.delivery.shard_state(wid, first), sched.epoch)
         self.ring.renew_queue(wid)
-        self.pool.replace(wid, self.ring, self.doorbell.fd, shard)
+        pool.replace(wid, self.ring, self.doorbell.fd, shard)
+        for slot, task in orphans:  # to its replacement: the batch -> worker assignment stays torch's
+            if task.epoch == sched.epoch:
+                sched.redispatch(slot, wid, task.epoch, task.seq, task.index)
+                self.post(slot)
+
+    def post(self, slot: int) -> None:
+        """Post ``slot``'s task the way its index fits (``_dispatch.post``): what the scheduler's
+        step could not post itself, or a task dispatched again."""
+        ring, task = self.ring, self.sched.task_of(slot)
+        assert ring is not None and task is not None
+        send = self.pool.send
+        needed = post(ring, lambda wid, msg: send(wid, msg, dead_ok=True), slot, task.worker, task.epoch, task.seq,
+                      task.index)
+        if needed:
+            self.broker.want_growth(needed, ring.data_bytes)
+
+    def post_unposted(self) -> None:
+        """Tasks the step dispatched but could not post (an index that is no list of int64 ints,
+        or too large for its slot): pickled into the slot, or over the worker's connection."""
+        for slot in self.sched.take_unposted():
+            self.post(slot)
 
     def shutdown(self) -> None:
         """Stop the workers, close the ring and the doorbell. Idempotent."""

@@ -154,6 +154,19 @@ class OverflowBroker:
             return
         self.grow_to = max(self.grow_to or 0, target)
 
+    def requested(self, slot: int, needed: int, sched: Scheduler, ring: Ring, send: Callable[..., Any], pinned: bool,
+                  staging: bool) -> None:
+        """``slot``'s worker asks for ``needed`` bytes of overflow memory (its result is published
+        NEED_MEMORY): it waits for a grant (``grant`` runs at once), and the ring grows once it
+        drains; a stale epoch's request is answered "drop"."""
+        task = sched.task_of(slot)
+        assert task is not None
+        if not sched.overflowed(slot, needed):
+            send(task.worker, slot, 0, -1)  # a stale epoch's batch: drop it
+            return
+        self.want_growth(needed, ring.data_bytes)
+        self.grant(sched, ring, send, pinned, staging)
+
     def grant(self, sched: Scheduler, ring: Ring, send: Callable[..., Any], pinned: bool, staging: bool) -> None:
         """Give waiting workers their overflow memory, lowest sequence number first, while
         ``memory_budget`` has room; the rest wait (backpressure). ``send(worker, slot, size, fd)``

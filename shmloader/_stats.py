@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
+
+from ._layout import Counter
+from ._slots import Scheduler, SlotState
 
 
 class Counters:
@@ -124,3 +128,21 @@ class LoaderStats:
                     "add workers or make samples cheaper")
         return (f"loader-bound {bound:.0%}, workers only {busy:.0%} busy: the ring is too shallow for the "
                 "loop's pace; raise prefetch_factor")
+
+
+def occupancy(sched: Scheduler, slot_bytes: int, held: int, copying: int) -> RingOccupancy:
+    """Where the ring's slots are: ``held`` by the user, ``copying`` to a device (ready)."""
+    in_flight = sched.count(SlotState.IN_FLIGHT) + sched.count(SlotState.WAITING)
+    ready = sched.n_ready + copying
+    return RingOccupancy(slots=sched.num_slots, slot_bytes=slot_bytes, free=sched.num_slots - held - in_flight - ready,
+                         in_flight=in_flight, ready=ready, held=held)
+
+
+def worker_busy(counters: list[Any]) -> tuple[float, ...]:
+    """Each worker's share of its time spent producing batches, from its counters in the ring."""
+    now = time.monotonic_ns()
+    busy = []
+    for c in counters:
+        started, spent = int(c[Counter.STARTED_NS]), int(c[Counter.BUSY_NS])
+        busy.append(min(1.0, spent / (now - started)) if started and now > started else 0.0)
+    return tuple(busy)

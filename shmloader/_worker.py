@@ -19,76 +19,29 @@ SIGINT: Ctrl-C is the main process's to handle, and the main process stops it.
 
 from __future__ import annotations
 
-import dataclasses
 import mmap
 import os
 import pickle
-import random
 import select
-import signal
 import struct
 import sys
 import time
-from typing import Any, Callable, NamedTuple
+from multiprocessing import reduction
+from typing import Any
 
 import numpy as np
-import torch
 from torch._utils import ExceptionWrapper
-from torch.utils.data._utils import collate as torch_collate
-from multiprocessing import reduction
-from torch.utils.data._utils import worker as torch_worker
 
 from ._collate import SlotWriter, slot_collate_map
+from ._errors import fit_error, picklable
 from ._layout import RESIZE_TASK, Counter, Region, RingGeometry, Status
+from ._produce import Outcome, Producer, WorkerConfig, init, wrap
 from ._ring import AttachedRing
 
 _ONE = struct.pack("=Q", 1)
 # A batch that took longer than this gives the CPU away once it is published (_serve). Small
 # batches don't: their worker soon waits for its next task, which frees the CPU anyway.
 LONG_BATCH_NS = 200_000
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerConfig:
-    """Everything a worker needs from the loader (pickled once per worker under spawn)."""
-
-    worker_id: int
-    num_workers: int
-    dataset: Any
-    iterable: bool
-    auto_collation: bool
-    collate_fn: Callable[[Any], Any]
-    drop_last: bool
-    base_seed: int
-    worker_init_fn: Callable[[int], None] | None
-    parent_pid: int
-    parent_check_s: float = 0.5  # how often an idle worker checks that the loader lives
-    dataset_state: bytes = b""  # a pickled IterableDataset state to load before its first epoch
-    # The epoch that state belongs to, for a replaced worker: loaded (with its "shard ended"
-    # flag) only if the first task is of that epoch. None: a checkpoint's, loaded as it is.
-    dataset_state_epoch: int | None = None
-
-
-class Outcome(NamedTuple):  # one per batch: a tuple is the cheapest to make
-    status: Status
-    needed: int = 0
-    error: ExceptionWrapper | None = None
-
-
-_OK, _NEED_MEMORY = Status.OK, Status.NEED_MEMORY  # (an enum member lookup costs more than a global's)
-_tuple_new = tuple.__new__
-
-
-def _ok(needed: int) -> Outcome:
-    """``Outcome(Status.OK, needed)``, made at tuple speed (one per batch)."""
-    return _tuple_new(Outcome, (_OK, needed, None))
-
-_BUSY_NS, _BATCHES = Counter.BUSY_NS, Counter.BATCHES
-
-
-def _wrap(where: str) -> ExceptionWrapper:
-    """torch's wrapper of the exception being handled: the main process re-raises it."""
-    return ExceptionWrapper(where=where)  # type: ignore[no-untyped-call]
 
 
 class InheritedFd:
@@ -107,125 +60,9 @@ def _rebuild_fd(dup: Any) -> InheritedFd:
     return InheritedFd(dup.detach())
 
 
-class _Producer:
-    """Turns an index into a batch written by a SlotWriter."""
-
-    def __init__(self, cfg: WorkerConfig) -> None:
-        self.cfg = cfg
-        self.where = f"in DataLoader worker process {cfg.worker_id}"
-        self.fused = cfg.auto_collation and cfg.collate_fn is torch_collate.default_collate
-        # Map-style, default collate: a batch like the last one stacked into the same slot is
-        # stacked in one step (SlotWriter.stack_lone)
-        self.lean = self.fused and not cfg.iterable
-        self._epoch: int | None = None
-        self._iter: Any = None
-        self._ended = False
-        self.dataset_state = b""
-
-    def _samples(self, epoch: int, index: Any) -> Any:
-        ds = self.cfg.dataset
-        if not self.cfg.iterable:
-            if not self.cfg.auto_collation:
-                return ds[index]
-            getitems = getattr(ds, "__getitems__", None)
-            return getitems(index) if getitems else [ds[i] for i in index]
-        if epoch != self._epoch:
-            ended = False
-            resumed = self.cfg.dataset_state_epoch
-            if self._epoch is None and self.cfg.dataset_state and resumed in (None, epoch):
-                saved = pickle.loads(self.cfg.dataset_state)  # a checkpoint's, or a dead predecessor's
-                ds.load_state_dict(saved["state"])
-                ended = resumed == epoch and saved["ended"]
-            self._epoch, self._iter, self._ended = epoch, iter(ds), ended
-        if self._ended:
-            raise StopIteration
-        if not self.cfg.auto_collation:
-            return next(self._iter)
-        data = []
-        for _ in index:
-            try:
-                data.append(next(self._iter))
-            except StopIteration:
-                self._ended = True
-                break
-        if not data or (self.cfg.drop_last and len(data) < len(index)):
-            raise StopIteration
-        return data
-
-    def _dataset_state(self) -> bytes:
-        """An IterableDataset's ``state_dict()`` after this batch, and whether its shard ended
-        within the batch, pickled (b"" for a dataset without state)."""
-        get = getattr(self.cfg.dataset, "state_dict", None) if self.cfg.iterable else None
-        return pickle.dumps({"ended": self._ended, "state": get()}) if callable(get) else b""
-
-    def produce(self, epoch: int, index: Any, writer: SlotWriter, fn_map: dict[Any, Any]) -> tuple[Outcome, Any]:
-        """Fetch and collate into ``writer``; returns the outcome and the batch object."""
-        try:
-            samples = self._samples(epoch, index)
-            if self.lean and type(samples) is list and samples:
-                batch = writer.stack_lone(samples)
-                if batch is not None:
-                    return _ok(writer.dataset_state_off), batch
-            if self.fused:
-                # Samples that are plain tensors: the map's tensor entry, as collate() would call it
-                stack = fn_map.get(torch.Tensor) if type(samples) is list and samples and type(samples[0]) is torch.Tensor else None
-                if stack is not None:
-                    batch = stack(samples, collate_fn_map=fn_map)
-                else:
-                    batch = torch_collate.collate(samples, collate_fn_map=fn_map)
-            else:
-                batch = self.cfg.collate_fn(samples)
-            del samples
-            self.dataset_state = self._dataset_state() if self.cfg.iterable else b""
-            needed = writer.finish(batch, self.dataset_state)
-        except StopIteration:
-            if not self.cfg.iterable:
-                return Outcome(Status.ERROR, error=_wrap(where=self.where)), None
-            return Outcome(Status.STOP), None
-        except Exception:
-            return Outcome(Status.ERROR, error=_wrap(where=self.where)), None
-        if not writer.fits:
-            return Outcome(Status.NEED_MEMORY, needed=needed), batch
-        return _ok(needed), batch
-
-
-def _init(cfg: WorkerConfig) -> ExceptionWrapper | None:
-    """torch's worker setup: threads, seeds, worker info, worker_init_fn."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.set_num_threads(1)
-    seed = cfg.base_seed + cfg.worker_id
-    random.seed(seed)
-    torch.manual_seed(seed)
-    np.random.seed(torch_worker._generate_state(cfg.base_seed, cfg.worker_id))  # type: ignore[no-untyped-call]
-    torch_worker._worker_info = torch_worker.WorkerInfo(
-        id=cfg.worker_id, num_workers=cfg.num_workers, seed=seed, dataset=cfg.dataset
-    )
-    where = f"in DataLoader worker process {cfg.worker_id}"
-    try:
-        if cfg.worker_init_fn is not None:
-            cfg.worker_init_fn(cfg.worker_id)
-    except (StopIteration, SystemExit, KeyboardInterrupt) as exc:
-        # Said as what it was, in a RuntimeError: raised as itself from next() it would end the
-        # caller's loop in silence (StopIteration), end the main process (SystemExit) or pose as
-        # Ctrl-C, where a failed set-up ends the loader.
-        if isinstance(exc, StopIteration):
-            what = "StopIteration", "a DataLoader worker's set-up cannot end an epoch"
-        else:
-            code = f"({exc.code!r})" if isinstance(exc, SystemExit) else ""
-            what = f"{type(exc).__name__}{code} (sys.exit?)", "a DataLoader worker cannot exit on its own"
-        try:
-            raise RuntimeError(f"worker_init_fn raised {what[0]} in worker {cfg.worker_id}: {what[1]}; raise "
-                               "an exception to report a failed set-up") from exc
-        except RuntimeError:
-            return _wrap(where=where)
-    except Exception:
-        return _wrap(where=where)
-    return None
-
-
 def _publish(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWriter, outcome: Outcome,
              epoch: int, seq: int, doorbell: int, region: Region = Region.SLOT) -> None:
-    if outcome.status is _OK:
+    if outcome.status is Status.OK:
         table_off, table_len = writer.table_off, writer.table_len
         pickled_off, pickled_len = writer.pickled_off, writer.pickled_len
         dataset_state_off, dataset_state_len = writer.dataset_state_off, writer.dataset_state_len
@@ -253,45 +90,6 @@ def _write_error(ring: AttachedRing, slot: int, error: ExceptionWrapper | None) 
     start = ring.geometry.data_offset(slot)
     ring.bytes[start : start + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
     return len(payload)
-
-
-CUT = "\n[... {} characters of the traceback cut so that the error fits its ring slot ...]\n"
-
-
-def picklable(error: ExceptionWrapper) -> ExceptionWrapper:
-    """``error``, made to pickle: an exception class that cannot be pickled (one defined inside
-    a function) travels as a RuntimeError whose message names it."""
-    try:
-        pickle.dumps(error.exc_type)
-    except Exception:
-        name = f"{error.exc_type.__module__}.{error.exc_type.__qualname__}"
-        error.where = f"(raised as {name}, which cannot be pickled) {error.where}"
-        error.exc_type = RuntimeError  # the traceback text still ends with the original type and message
-    return error
-
-
-def fit_error(error: ExceptionWrapper, cap: int) -> bytes:
-    """``error`` pickled (see ``picklable``) in at most ``cap`` bytes. A traceback too long
-    for the slot is cut from the middle: its first line (which worker) and its end (the
-    exception's type and message) stay, and the cut says so; sizes are counted in encoded
-    bytes, not characters."""
-    payload = pickle.dumps(picklable(error))
-    if len(payload) <= cap:
-        return payload
-    text = error.exc_msg
-    keep = len(text)
-    while keep > 0:
-        keep = min(keep - 1, keep * (cap - 256) // max(1, len(payload)))  # shrink at least one character
-        head = text[: keep // 4]
-        tail = text[len(text) - (keep - keep // 4) :] if keep else ""
-        error.exc_msg = head + CUT.format(len(text) - keep) + tail
-        payload = pickle.dumps(error)
-        if len(payload) <= cap:
-            return payload
-    error.exc_msg = CUT.format(len(text))
-    payload = pickle.dumps(error)
-    assert len(payload) <= cap, (len(payload), cap)  # a slot holds at least a page
-    return payload
 
 
 class ParentWatch:
@@ -361,14 +159,14 @@ class Mailbox:
 def _deliver(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWriter, outcome: Outcome, batch: Any,
              dataset_state: bytes, epoch: int, seq: int, mailbox: Mailbox, doorbell: int) -> bool:
     """Publish ``outcome``; a batch that did not fit takes the overflow path. False: stop."""
-    if outcome.status is not _NEED_MEMORY:
+    if outcome.status is not Status.NEED_MEMORY:
         _publish(ring, slot, cfg, writer, outcome, epoch, seq, doorbell)
         return True
     measure = SlotWriter(None)  # exactly what a fresh writer will need (leaf order included)
     try:
         needed = measure.finish(batch, dataset_state)
     except Exception:  # it was measured once already; whatever fails now is this batch's error
-        error = Outcome(Status.ERROR, error=_wrap(where=f"in DataLoader worker process {cfg.worker_id}"))
+        error = Outcome(Status.ERROR, error=wrap(where=f"in DataLoader worker process {cfg.worker_id}"))
         _publish(ring, slot, cfg, writer, error, epoch, seq, doorbell)
         return True
     _publish(ring, slot, cfg, writer, Outcome(Status.NEED_MEMORY, needed=needed), epoch, seq, doorbell)
@@ -382,7 +180,7 @@ def _deliver(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWrite
         try:
             payload = pickle.dumps((batch, dataset_state), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:
-            error = Outcome(Status.ERROR, error=_wrap(where=f"in DataLoader worker process {cfg.worker_id}"))
+            error = Outcome(Status.ERROR, error=wrap(where=f"in DataLoader worker process {cfg.worker_id}"))
             _publish(ring, slot, cfg, writer, error, epoch, seq, doorbell)
             return True
         _publish(ring, slot, cfg, writer, Outcome(Status.OK, needed=len(payload)), epoch, seq, doorbell, Region.PIPE)
@@ -400,7 +198,7 @@ def _deliver(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWrite
             raise RuntimeError(f"the batch measured {needed:,} bytes, then needed more than the {size:,} granted")
         outcome = Outcome(Status.OK, needed=needed)
     except Exception:
-        outcome = Outcome(Status.ERROR, error=_wrap(where=f"in DataLoader worker process {cfg.worker_id}"))
+        outcome = Outcome(Status.ERROR, error=wrap(where=f"in DataLoader worker process {cfg.worker_id}"))
     del overflow, mm  # unmapped once the writer's views are gone; the consumer keeps its own mapping
     _publish(ring, slot, cfg, writer, outcome, epoch, seq, doorbell,
              Region.OVERFLOW if outcome.status is Status.OK else Region.SLOT)
@@ -409,8 +207,8 @@ def _deliver(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWrite
 
 def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
     parent = ParentWatch(cfg.parent_pid)
-    init_error = _init(cfg)
-    producer = _Producer(cfg)
+    init_error = init(cfg)
+    producer = Producer(cfg)
     probe_writer = SlotWriter(None)
     pending: tuple[int, int, Outcome, Any, bytes] | None = None
     batch: Any = None
@@ -454,7 +252,7 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
                 needed = writer.finish(batch, dataset_state)
                 outcome = Outcome(Status.OK if writer.fits else Status.NEED_MEMORY, needed=needed)
             except Exception:  # the first batch could be measured but not written: its error
-                outcome = Outcome(Status.ERROR, error=_wrap(where=f"in DataLoader worker process {cfg.worker_id}"))
+                outcome = Outcome(Status.ERROR, error=wrap(where=f"in DataLoader worker process {cfg.worker_id}"))
                 batch = None
         if not _deliver(ring, pending_slot, cfg, writer, outcome, batch, dataset_state, epoch, seq, mailbox, doorbell):
             return
@@ -470,10 +268,10 @@ def worker_replacement(cfg: WorkerConfig, geometry: RingGeometry, segment: Inher
     ring through the segment's fd (the name is long gone; the semaphores live inside)."""
     try:
         parent = ParentWatch(cfg.parent_pid)
-        init_error = _init(cfg)
+        init_error = init(cfg)
         ring = AttachedRing.by_fd(geometry, segment.fd, cfg.worker_id)
         ring.counters[cfg.worker_id][Counter.STARTED_NS] = time.monotonic_ns()
-        _serve(cfg, ring, _Producer(cfg), Mailbox(conn, parent, cfg.parent_check_s), init_error, doorbell.fd)
+        _serve(cfg, ring, Producer(cfg), Mailbox(conn, parent, cfg.parent_check_s), init_error, doorbell.fd)
     except (KeyboardInterrupt, EOFError, BrokenPipeError, ConnectionResetError):
         pass  # as in worker_main
 
@@ -489,7 +287,7 @@ def _reattach(cfg: WorkerConfig, old: AttachedRing, mailbox: Mailbox) -> Attache
     return ring
 
 
-def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: _Producer, mailbox: Mailbox,
+def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: Producer, mailbox: Mailbox,
            init_error: ExceptionWrapper | None, doorbell: int) -> None:
     """Steady state: tasks from the queue, batches into slots; shared memory and semaphores only
     (the setup connection only for what does not fit: overflow memory, a grown ring)."""
@@ -530,8 +328,8 @@ def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: _Producer, mailbox: 
             outcome, batch = producer.produce(epoch, index, writer, fn_map)
         spent = time.monotonic_ns() - began
         counters = ring.counters[cfg.worker_id]
-        counters[_BUSY_NS] += spent
-        counters[_BATCHES] += 1
+        counters[Counter.BUSY_NS] += spent
+        counters[Counter.BATCHES] += 1
         if not _deliver(ring, slot, cfg, writer, outcome, batch, producer.dataset_state, epoch, seq, mailbox, doorbell):
             return
         del batch

@@ -12,7 +12,8 @@ from torch._utils import ExceptionWrapper
 
 from shmloader._layout import RingGeometry
 from shmloader._ring import _Views
-from shmloader._worker import _write_error, fit_error
+from shmloader._errors import fit_error
+from shmloader._worker import _write_error
 
 
 def wrapper(message: str, exc: type[Exception] = ValueError) -> ExceptionWrapper:
