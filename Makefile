@@ -1,4 +1,6 @@
-# make test   build the virtual environment (if needed) and run mypy + the default tests
+# make test   build the virtual environment (if needed) and run mypy + the default tests (what CI runs)
+# make check  the edit-test loop: mypy, then the default tests but the slow ones (subprocesses,
+#             spawn/forkserver, frameworks, examples, bench CLI), property tests at a fifth of their examples
 # make bench  `shmloader bench --quick`: shmloader vs torch (and SPDL, torchdata) side by side
 # make soak   the long soak tests (marked 'soak', outside the default run)
 PYTHON ?= python3
@@ -6,7 +8,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: test bench soak typecheck clean
+.PHONY: test check bench soak typecheck clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard native/*.c)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,11 +18,13 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard native/*.c)
 	touch $@
 
 typecheck: $(VENV)/.installed
-	$(PY) -m mypy
-	$(PY) -m mypy --strict tests/typed/user_module.py
+	$(PY) -m mypy shmloader tests/typed/user_module.py  # (strict, pyproject.toml; one run loads torch once)
 
 test: typecheck
 	$(PY) -m pytest
+
+check: typecheck
+	SHMLOADER_TEST_TIER=check $(PY) -m pytest -q -m "not soak and not slow" --durations=10
 
 soak: $(VENV)/.installed
 	$(PY) -m pytest -m soak -s tests/soak

@@ -74,11 +74,22 @@ def raw(t: torch.Tensor) -> bytes:
     return bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
+CHECK = os.environ.get("SHMLOADER_TEST_TIER") == "check"  # make check: the edit-test loop's tier
+
+
+def examples(n: int) -> int:
+    """A property test's example count: ``n``, or about a fifth of it in ``make check``."""
+    return max(3, n // 5) if CHECK else n
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``cuda`` are skipped, with the reason, where CUDA is missing."""
-    if torch.cuda.is_available():
-        return
+    """Tests marked ``cuda`` are skipped, with the reason, where CUDA is missing. A test run
+    under the spawn or forkserver start method (a parameter of that name) is ``slow``: each
+    worker imports torch afresh."""
     skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
     for item in items:
-        if item.get_closest_marker("cuda") is not None:
+        params = getattr(item, "callspec", None)
+        if params is not None and {"spawn", "forkserver"} & {v for v in params.params.values() if isinstance(v, str)}:
+            item.add_marker(pytest.mark.slow)
+        if not torch.cuda.is_available() and item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)

@@ -13,6 +13,8 @@ import pytest
 from shmloader import __main__ as cli
 from shmloader._bench import loaders
 
+pytestmark = pytest.mark.slow  # (make check leaves them out: frameworks, examples and the bench CLI)
+
 
 @pytest.fixture
 def no_spdl(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,6 +15,8 @@ from torch.utils.data.distributed import DistributedSampler
 import shmloader
 from tests.datasets import Range
 
+pytestmark = pytest.mark.slow  # (make check leaves them out: frameworks, examples and the bench CLI)
+
 
 def reinstantiate(loader: torch.utils.data.DataLoader, sampler: Any) -> Any:  # type: ignore[type-arg]
     """What Lightning does: read the constructor's arguments back from the instance, replace the

@@ -94,6 +94,7 @@ def test_caught_errors_lose_no_batch_like_torch(shuffle: bool, in_order: bool, w
         assert unordered(got) == unordered(want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("persistent", [False, True])
 def test_caught_errors_lose_no_batch_under_spawn(persistent: bool) -> None:
     kw = dict(num_workers=2, persistent_workers=persistent, multiprocessing_context="spawn")

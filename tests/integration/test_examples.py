@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import pathlib
 import re
@@ -9,6 +11,8 @@ import subprocess
 import sys
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
+
+pytestmark = pytest.mark.slow  # (make check leaves them out: frameworks, examples and the bench CLI)
 
 
 def run(*args: str, timeout: float = 300) -> str:

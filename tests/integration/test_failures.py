@@ -72,6 +72,7 @@ def shm_entries_of(pid: int) -> list[str]:
     return sorted(n for n in os.listdir("/dev/shm") if f"-{pid}-" in n)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
 def test_loader_process_killed_workers_exit_and_nothing_is_left(tmp_path: pathlib.Path, context: str) -> None:
     proc = child(tmp_path, """
@@ -85,6 +86,7 @@ def test_loader_process_killed_workers_exit_and_nothing_is_left(tmp_path: pathli
     kill_and_check_nothing_is_left(proc)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_loader_process_killed_while_its_workers_set_up_they_exit_quietly(tmp_path: pathlib.Path, context: str) -> None:
     # Killed before the first batch: the workers wait on their setup pipe, which breaks.
@@ -115,6 +117,7 @@ def kill_and_check_nothing_is_left(proc: subprocess.Popen[str]) -> str:
     return stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_ctrl_c_reaches_the_user_and_stops_the_workers(tmp_path: pathlib.Path, mode: str) -> None:
     proc = child(tmp_path, """
@@ -146,6 +149,7 @@ def test_ctrl_c_reaches_the_user_and_stops_the_workers(tmp_path: pathlib.Path, m
     assert proc.returncode == 0 and wait_exit([int(line.split()[1])], timeout=5) == []
 
 
+@pytest.mark.slow
 def test_interpreter_exit_mid_epoch(tmp_path: pathlib.Path) -> None:
     proc = child(tmp_path, """
         for persistent in (False, True):
@@ -162,6 +166,7 @@ def test_interpreter_exit_mid_epoch(tmp_path: pathlib.Path) -> None:
     assert shm_entries_of(proc.pid) == [] and "Traceback" not in err
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="mounting a small tmpfs needs root and unshare")
 @pytest.mark.parametrize("bypass_check", [False, True])
 def test_small_dev_shm_is_a_clear_error_not_a_sigbus(tmp_path: pathlib.Path, bypass_check: bool) -> None:

@@ -16,6 +16,7 @@ from torch.utils.data import Dataset, IterableDataset
 
 import shmloader
 from tests.fakes import FakeStream, fake_device
+from tests.conftest import examples
 
 PLANS = {
     "first": [None, 1, 2, 3, 4],
@@ -134,7 +135,7 @@ def test_state_dict_and_stats_count_a_none_batch_once() -> None:
 FALSY = st.sampled_from([None, 0, False, "", [], {}, 0.0, b""]) | st.integers(1, 9)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(plan=st.lists(FALSY, min_size=1, max_size=10), use_async=st.booleans())
 def test_falsy_batches_arrive_exactly_once_in_order(plan: list[Any], use_async: bool) -> None:
     # With batch_size=None torch's loader delivers each sample as it is (default_convert leaves

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shmloader
-from tests.conftest import raw, same
+from tests.conftest import examples, raw, same
 from tests.datasets import Detection, Planned, Sized, Tokens, pad_collate, zip_collate
 
 JOBS: dict[str, Callable[[], dict[str, Any]]] = {
@@ -77,6 +77,7 @@ def test_varying_batches_equal_torch(name: str, persistent: bool, in_order: bool
     assert stats.ring_growths >= 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("name", ["padding", "strings"])
 def test_varying_batches_equal_torch_under_spawn(name: str, persistent: bool) -> None:
@@ -225,6 +226,7 @@ def test_random_kills_with_overflow_in_flight(rng: random.Random, budget: int | 
     assert loader.stats().worker_restarts <= kills
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("moment", ["holding", "waiting"])
 def test_loader_killed_with_overflow_memory_out_leaves_nothing(tmp_path: Any, moment: str) -> None:
     from tests.integration.test_failures import child, kill_and_check_nothing_is_left
@@ -251,7 +253,7 @@ batch_plans = st.lists(
 )
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(15), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(plan=batch_plans, in_order=st.booleans())
 def test_property_random_batch_sizes_equal_torch(plan: list[tuple[int, int, int, torch.dtype]], in_order: bool) -> None:
     dataset = Planned(plan)

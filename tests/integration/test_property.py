@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shmloader
-from tests.conftest import same
+from tests.conftest import examples, same
 from tests.datasets import Point
 
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
@@ -86,7 +86,7 @@ class Samples(tud.Dataset):  # type: ignore[type-arg]
         return self.samples[i]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(schema=schemas, seed=st.integers(0, 2**32 - 1), n=st.integers(1, 9), batch_size=st.integers(1, 4))
 def test_batches_equal_torchs(schema: tuple[Any, ...], seed: int, n: int, batch_size: int) -> None:
     rng = np.random.default_rng(seed)

@@ -220,6 +220,7 @@ class DiesBetweenDoneAndPost(Dataset):  # type: ignore[type-arg]
         return torch.full((4,), i)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_a_worker_that_dies_between_done_and_its_post_loses_no_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     # Each token stands for "look for DONE slots": the dead worker's slot, found with the next
@@ -338,6 +339,7 @@ def test_a_timed_out_wait_never_sleeps_past_the_timeout(phase: str, monkeypatch:
 
 
 # ---------------------------------------------------------- interpreter exit
+@pytest.mark.slow
 def test_a_persistent_loader_alive_at_exit_says_nothing(tmp_path: Any) -> None:
     # A module holding the loader (a framework's trainer, say) is torn down after the modules
     # the iterator's last words need.

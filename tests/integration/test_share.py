@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset
 
 import shmloader
+from tests.conftest import examples
 
 class Color(enum.IntEnum):  # an int subclass: marshal would read it back as an int
     RED = 1
@@ -61,7 +62,7 @@ def equal(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(st.lists(NESTED, max_size=8))
 def test_a_shared_list_reads_back_equal(values: list[Any]) -> None:
     shared = shmloader.share(values)
@@ -74,7 +75,7 @@ def test_a_shared_list_reads_back_equal(values: list[Any]) -> None:
         shared[len(values)]
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.dictionaries(st.text(max_size=8) | st.integers() | st.tuples(st.integers(0, 5), st.text(max_size=3)), NESTED,
                        max_size=10))
 def test_a_shared_dict_reads_back_equal(mapping: dict[Any, Any]) -> None:
@@ -221,6 +222,7 @@ def test_it_pickles_as_a_handle_not_as_data() -> None:
     assert len(again) == 10 and again[3] == b"x" * 100_000
 
 
+@pytest.mark.slow
 def test_owner_killed_leaves_nothing_and_its_workers_exit(tmp_path: pathlib.Path) -> None:
     script = tmp_path / "owner.py"
     script.write_text(

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shmloader
-from tests.conftest import raw
+from tests.conftest import examples, raw
 from tests.datasets import Runs
 from tests.integration.test_errors import outcomes
 
@@ -95,7 +95,7 @@ plans = st.lists(
                     for n, count, shape, dtype, twist, spot in runs for k in range(n)])
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(plan=plans, workers=st.integers(1, 2))
 def test_property_runs_of_layouts_are_torchs(plan: list[tuple[int, tuple[int, ...], torch.dtype, str | None, int]],
                                              workers: int) -> None:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from shmloader import _native
 from shmloader._layout import DTYPES, LEAF_ALIGN, Kind, table_bytes
+from tests.conftest import examples
 
 ENTRY = struct.Struct("=BBBBIQQ")
 
@@ -125,7 +126,7 @@ def test_decode_rejects_bad_magic_and_counts() -> None:
         _native.decode_table(bytes(table), 8, len(table), 1 << 20)
 
 
-@settings(max_examples=2000, deadline=None)
+@settings(max_examples=examples(2000), deadline=None)
 @given(st.binary(min_size=0, max_size=512), st.integers(0, 1 << 20))
 def test_decode_never_crashes_on_random_bytes(data: bytes, limit: int) -> None:
     payload = struct.pack("=II", 0x544C4853, len(data) // 24) + data

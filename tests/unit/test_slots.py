@@ -12,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from shmloader._slots import Scheduler, SlotState
 from tests.slot_model import ModelTable, same
+from tests.conftest import examples
 
 SLOTS, WORKERS = 5, 2
 
@@ -103,7 +104,7 @@ class SlotMachine(RuleBasedStateMachine):
 
 
 TestSlotMachine = SlotMachine.TestCase
-TestSlotMachine.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)
+TestSlotMachine.settings = settings(max_examples=examples(200), stateful_step_count=60, deadline=None)
 
 
 def test_wrong_transitions_are_refused() -> None:
