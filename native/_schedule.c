@@ -438,21 +438,22 @@ static PyObject *m_dispatch(Scheduler *t, PyObject *const *args, Py_ssize_t narg
     return slot < 0 ? NULL : PyLong_FromSsize_t(slot);
 }
 
-PyDoc_STRVAR(redispatch_doc, "redispatch($self, slot, worker, epoch, seq, index, /)\n--\n\n"
-"FREE -> IN_FLIGHT: a task orphaned by a dead worker (epoch, seq, index), again, for `worker`.");
+PyDoc_STRVAR(redispatch_doc, "redispatch($self, slot, worker, seq, index, /)\n--\n\n"
+"FREE -> IN_FLIGHT: task `seq` of the current epoch, orphaned by a dead worker, again, for\n"
+"`worker` (a task of another epoch is not dispatched again: its result would be dropped).");
 
 static PyObject *m_redispatch(Scheduler *t, PyObject *const *args, Py_ssize_t nargs) {
     Py_ssize_t slot, worker;
-    int64_t epoch, seq;
-    if (nargs_are("redispatch", nargs, 5) < 0 || slot_arg(t, args[0], &slot) < 0 || worker_arg(t, args[1], &worker) < 0 ||
-        i64_arg(args[2], &epoch) < 0 || i64_arg(args[3], &seq) < 0 || expect(t, slot, BIT(SLOT_FREE)) < 0)
+    int64_t seq;
+    if (nargs_are("redispatch", nargs, 4) < 0 || slot_arg(t, args[0], &slot) < 0 || worker_arg(t, args[1], &worker) < 0 ||
+        i64_arg(args[2], &seq) < 0 || expect(t, slot, BIT(SLOT_FREE)) < 0)
         return NULL;
     Py_ssize_t i = 0;
     while (i < t->n_free && t->free_stack[i] != slot) i++;
     memmove(t->free_stack + i, t->free_stack + i + 1, (size_t)(t->n_free - i - 1) * sizeof(Py_ssize_t));
     t->n_free--;
     t->state[slot] = SLOT_IN_FLIGHT;
-    set_task(t, slot, worker, epoch, seq, args[4]);
+    set_task(t, slot, worker, t->table_epoch, seq, args[3]);
     t->load[worker]++;
     t->outstanding++;
     Py_RETURN_NONE;

@@ -253,7 +253,7 @@ class Lifecycle:
         pool.replace(wid, self.ring, self.doorbell.fd, shard)
         for slot, task in orphans:  # to its replacement: the batch -> worker assignment stays torch's
             if task.epoch == sched.epoch:
-                sched.redispatch(slot, wid, task.epoch, task.seq, task.index)
+                sched.redispatch(slot, wid, task.seq, task.index)
                 self.post(slot)
 
     def post(self, slot: int) -> None:

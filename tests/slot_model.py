@@ -60,11 +60,11 @@ class ModelTable:
         self.outstanding += 1
         return slot
 
-    def redispatch(self, slot: int, worker: int, epoch: int, seq: int, index: Any) -> None:
+    def redispatch(self, slot: int, worker: int, seq: int, index: Any) -> None:
         self._expect(slot, FREE)
         self.free.remove(slot)
         self.state[slot] = IN_FLIGHT
-        self.tasks[slot] = Task(worker, epoch, seq, index, 0)
+        self.tasks[slot] = Task(worker, self.epoch, seq, index, 0)
         self.load[worker] += 1
         self.outstanding += 1
 

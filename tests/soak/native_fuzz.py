@@ -17,8 +17,9 @@ Each round checks what the functions promise, not only that they survive:
   range) it refuses with -1, an index larger than the data region with 0, queueing nothing; a
   range stands for the list of its values (refused with -1 when one does not fit int64);
 - ``unviewed`` returns (and with ``remove`` drops) exactly the keys whose value only the dict
-  references, and refuses anything but a dict; ``steady_take`` over garbage headers and odd
-  tables answers or raises TypeError/ValueError (its logic: ``tests/unit/test_steady_take.py``);
+  references, and refuses anything but a dict; the ``Scheduler`` attached with odd offsets and
+  driven with hostile calls over garbage headers answers or raises, and its ``check()`` holds
+  after every call (its logic: ``tests/unit/test_slots.py``, ``tests/unit/test_step.py``);
 - ``Items`` (the shared list's reader) refuses tables outside its buffer with ValueError; over
   random offset and code tables, ``items[i]`` returns the marshalled element, raises
   ValueError for offsets outside the blob, or hands the key to ``_item``; ``plain_value``
@@ -27,7 +28,7 @@ Each round checks what the functions promise, not only that they survive:
   a lone flag that is right; ``lend_lone`` over the same: ValueError or None with nothing lent,
   or one array lent inside the data region with its table's byte size; ``same_attr`` over getters that raise or empty the caller's list,
   and over builtin types' getters (called directly) answering as getattr does;
-- the synchronisation calls (``sem_*``, ``load_acquire``, ``store_*``, ``collect``,
+- the synchronisation calls (``sem_*``, ``load_acquire``, ``store_*``,
   ``post_task``, ``publish``, ``take_task``) refuse offsets outside the buffer or misaligned, with
   ValueError, and leave the bytes around their target untouched.
 """
@@ -134,8 +135,8 @@ def fuzz_read_slot(native: Any, rng: random.Random, g: Guarded) -> None:
     lone = b"\x80\x05\x95\x04\x00\x00\x00\x00\x00\x00\x00K\x00Q."
     header, data = SEMS, SEMS + 256
     cap = rng.choice([0, 512, 4096, SIZE - data, SIZE - data + 8, -1])
-    fields = [rng.randrange(-5, 5) for _ in range(native.N_HEADER_FIELDS)]
-    table_off, table_len, pickled_off, pickled_len = native.READ_SLOT_FIELDS
+    fields = [rng.randrange(-5, 5) for _ in range(native.LAYOUT["N_HEADER_FIELDS"])]
+    table_off, table_len, pickled_off, pickled_len = (native.LAYOUT[f] for f in ("F_TABLE_OFF", "F_TABLE_LEN", "F_PICKLED_OFF", "F_PICKLED_LEN"))
     buf, n = random_table(native, rng, 1024, offsets=8, ndim=4, leaves=3) or (bytearray(1024), 8)
     if rng.random() < 0.3:
         buf[rng.randrange(n)] = rng.randrange(256)
@@ -168,9 +169,9 @@ def fuzz_lend_lone(native: Any, rng: random.Random, g: Guarded) -> None:
     lone = b"\x80\x05\x95\x04\x00\x00\x00\x00\x00\x00\x00K\x00Q."
     header, data = SEMS, SEMS + 256
     cap = rng.choice([512, 4096, SIZE - data, SIZE - data, SIZE - data + 8])
-    fields = [rng.randrange(-5, 5) for _ in range(native.N_HEADER_FIELDS)]
-    table_off, table_len, pickled_off, pickled_len = native.READ_SLOT_FIELDS
-    region = native.N_HEADER_FIELDS - 1  # Field.REGION
+    fields = [rng.randrange(-5, 5) for _ in range(native.LAYOUT["N_HEADER_FIELDS"])]
+    table_off, table_len, pickled_off, pickled_len = (native.LAYOUT[f] for f in ("F_TABLE_OFF", "F_TABLE_LEN", "F_PICKLED_OFF", "F_PICKLED_LEN"))
+    region = native.LAYOUT["F_REGION"]
     buf, n = random_table(native, rng, 1024, offsets=8, ndim=4, leaves=rng.choice([2, 2, 3])) or (bytearray(1024), 8)
     if rng.random() < 0.2:
         buf[rng.randrange(n)] = rng.randrange(256)
@@ -328,8 +329,6 @@ def fuzz_sync(native: Any, rng: random.Random, g: Guarded) -> None:
         lambda: native.load_acquire(g.view, rng.choice([data_offset(rng), sem_offset(native, rng)])),
         lambda: native.store_release(g.view, data_offset(rng), rng.randrange(-(2**63), 2**63)),
         lambda: native.store_fenced(g.view, data_offset(rng), rng.randrange(-(2**63), 2**63)),
-        lambda: native.collect(g.view, sem_offset(native, rng),
-                               tuple(rng.choice([data_offset(rng), sem_offset(native, rng)]) for _ in range(rng.randrange(5))), 1),
         lambda: native.post_task(g.view, data_offset(rng), 1, 2, rng.randbytes(rng.randrange(200)), True, data_offset(rng),
                                  rng.choice([0, 64, 4096, SIZE, -8]), data_offset(rng), rng.randrange(8),
                                  sem_offset(native, rng)),
@@ -351,8 +350,7 @@ def fuzz_sync(native: Any, rng: random.Random, g: Guarded) -> None:
     while native.sem_wait(g.view, sem, 0.0):
         pass
     native.sem_post(g.view, sem)
-    tokens, flags = native.collect(g.view, sem, (SEMS, SEMS + 8), 0)
-    assert tokens == 1 and len(flags) == 2, (tokens, flags)
+    assert native.sem_wait(g.view, sem, 0.0) and not native.sem_wait(g.view, sem, 0.0)
 
 
 def take_task(native: Any, rng: random.Random, g: Guarded) -> None:
@@ -434,77 +432,78 @@ def fuzz_unviewed(native: Any, rng: random.Random, g: Guarded) -> None:
             raise AssertionError(f"unviewed took {bad!r}")
 
 
-def fuzz_steady_take(native: Any, rng: random.Random, g: Guarded) -> None:
-    """Garbage headers and odd tables: an answer or TypeError/ValueError, and never a write
-    outside the buffer (the guard zones) or a table left in an impossible state."""
-    states = [object() for _ in range(4)]  # FREE, IN_FLIGHT, READY, LENT
-    n = rng.randrange(1, 9)
-    sem = 0
-    headers = tuple(rng.choice([SEMS + 64 * 8 * s, SEMS + 64 * 8 * s + rng.choice([1, 4]), -8, SIZE - 8, SIZE])
-                    if rng.random() < 0.05 else SEMS + 64 * 8 * s for s in range(n))
-    for off in headers:
-        if SEMS <= off <= SIZE - 128 and off % 8 == 0:
-            g.view[off : off + 128] = rng.randbytes(128) if rng.random() < 0.5 else bytes(128)
-            if rng.random() < 0.5:
-                struct.pack_into("q", g.view, off, 1)  # DONE
-    state = [rng.choice(states) for _ in range(n)]
-    tasks = {s: (rng.choice([0, 1, -1, 5, "w"]), rng.choice([0, 1]), rng.randrange(8), None, 0)[: rng.choice([5, 5, 5, 2])]
-             for s in range(n) if rng.random() < 0.6}
-    ready = {rng.randrange(8): rng.choice([*range(n), -1, n, 300]) for _ in range(rng.randrange(3))}
-    bases = {rng.choice([*range(n), n, -1, "x"]): object() for _ in range(rng.randrange(3))}
-    consts = (*states, 1, 0, 3, 2, 0, 4, 15, 11, 12, 16)
-    for _ in range(rng.randrange(3)):
-        native.sem_post(g.view, sem)
-    try:
-        code, banked, gone = native.steady_take(g.view, sem, headers, rng.randrange(3), tasks, state, ready,
-                                                [rng.randrange(3) for _ in range(2)], [], bases, rng.choice([0, 1]),
-                                                rng.randrange(8), consts)
-        assert -2 <= code < n and banked >= 0 and gone >= 0, (code, banked, gone)
-        assert all(any(st is x for x in states) for st in state)
-    except (TypeError, ValueError):
-        pass
-    while native.sem_wait(g.view, sem, 0.0):
-        pass
-
-
-class _FuzzTask(tuple):  # type: ignore[type-arg]
-    pass
-
-
-def fuzz_dispatch_next(native: Any, rng: random.Random, g: Guarded) -> None:
-    """Odd tables, worker sets and ring offsets (headers, data, queues, semaphores outside the
-    buffer or misaligned, negative or huge tails): an answer or TypeError/ValueError/
-    AssertionError, and never a write outside the buffer."""
-    free_, in_flight = object(), object()
-    task_type = rng.choice([_FuzzTask, _FuzzTask, _FuzzTask, tuple, list, 3])
-    n, w = rng.randrange(1, 6), rng.randrange(1, 4)
+def fuzz_scheduler(native: Any, rng: random.Random, g: Guarded) -> None:
+    """A Scheduler attached to the buffer (offsets good and bad), then random calls with hostile
+    arguments (slots and workers out of range, transitions from the wrong state, garbage
+    headers published DONE, lease dicts with odd keys, samplers of odd indices): each answers
+    or raises, never writes outside the buffer, and ``check()`` holds after every call: the
+    table is never left in an impossible state."""
+    n, w = rng.randrange(1, 9), rng.randrange(1, 4)
+    table = native.Scheduler(n, w, rng.randrange(1, n + 2), in_order=rng.random() < 0.7)
 
     def off(good: int, size: int) -> Any:
-        return rng.choice([good, good + 4, -8, SIZE - size + 8, SIZE, 2**62, "x"]) if rng.random() < 0.03 else good
+        return rng.choice([good, good + 4, -8, SIZE - size + 8, SIZE, 2**62]) if rng.random() < 0.02 else good
 
-    headers = tuple(off(SEMS + 64 * 8 * s, 32) for s in range(n))
+    headers = tuple(off(SEMS + 64 * 8 * s, 128) for s in range(n))
     datas = tuple(off(SEMS + 8192 + 1024 * s, 1024) for s in range(n))
-    queues = tuple(off(SEMS + 16384 + 128 * q, 8) for q in range(w))
-    tails = [rng.choice([0, 3, 2**40, -1, 2**63 - 1]) if rng.random() < 0.1 else rng.randrange(8) for _ in range(w)]
-    sems = [off(native.SEM_STRIDE * rng.randrange(SEMS // native.SEM_STRIDE), 32) for _ in range(w)]
-    post = (g.view, headers, datas, rng.choice([1024, 1024, 0, -8, 2**40]), queues, rng.choice([9] * 8 + [1, 0, -1]),
-            tails, sems)[: rng.choice([8] * 15 + [7])]
-    state = [rng.choice([free_, free_, free_, in_flight, None]) for _ in range(n)]
-    free = [rng.choice([*range(n), *range(n), -1, n, "s"]) for _ in range(rng.randrange(0, 3))]
-    active = [rng.choice([True, True, False, 0, 1, [], "on"]) for _ in range(w)]
-    load = [rng.choice([0, 1, 2, 0, 1, 2, -1, 2**63 - 1, 2**70]) for _ in range(w)]
-    sampler: Any = iter([rng.choice([[1, 2, 3], range(0, 300, 7), [1.5], list(range(200)), (1,), "abc"])
-                         for _ in range(rng.randrange(0, 3))])
-    if rng.random() < 0.02:
-        sampler = rng.choice([[[1, 2]], None, 3])  # not an iterator
+    queues = tuple(off(SEMS + 16384 + 128 * q, 128) for q in range(w))
+    sems = tuple(off(native.SEM_STRIDE * rng.randrange(SEMS // native.SEM_STRIDE), 32) for _ in range(w))
+    tails = [rng.choice([0, 3, 2**40, -1]) if rng.random() < 0.05 else rng.randrange(8) for _ in range(w)]
     try:
-        code, rr, slot, worker, index = native.dispatch_next(
-            sampler, active, rng.choice([0, w - 1] * 4 + [w, -1]), load, free, state, {}, rng.randrange(3), rng.randrange(9),
-            post, (free_, in_flight, task_type))
-        assert -2 <= code <= 1 and 0 <= rr < w, (code, rr)
-    except (TypeError, ValueError, AssertionError, OverflowError):
+        table.attach(g.view, headers, datas, rng.choice([1024] * 9 + [-8, 2**40]), queues,
+                     rng.choice([9] * 9 + [0, -1]), sems, off(0, 32), tails)
+    except (ValueError, TypeError, OverflowError):
         pass
-    g.check("dispatch_next")
+    g.check("attach")
+    for off_ in headers:
+        if SEMS <= off_ <= SIZE - 128 and off_ % 8 == 0:
+            g.view[off_ : off_ + 128] = rng.randbytes(128) if rng.random() < 0.3 else bytes(128)
+    bases: dict[Any, Any] = {}
+    sampler = iter([rng.choice([[1, 2, 3], range(0, 300, 7), [1.5], list(range(200)), (1,), "abc", [2**63]])
+                    for _ in range(rng.randrange(0, 20))])
+
+    def slot() -> Any:
+        return rng.choice([*range(n), *range(n), -1, n, 2**70, "s"])
+
+    def worker() -> Any:
+        return rng.choice([*range(w), *range(w), -1, w])
+
+    def publish() -> None:
+        s = rng.randrange(n)
+        h = SEMS + 64 * 8 * s
+        struct.pack_into("q", g.view, h, 1)  # DONE, whatever the fields say
+        native.sem_post(g.view, 0)
+
+    calls = [
+        lambda: table.dispatch(worker(), rng.randrange(-2, 30), [1]),
+        lambda: table.redispatch(slot(), worker(), rng.randrange(30), [2]),
+        lambda: table.done(slot()),
+        lambda: table.overflowed(slot(), rng.randrange(-1, 10**6)),
+        lambda: table.drop(slot()),
+        lambda: table.granted(slot()),
+        lambda: table.take(rng.randrange(-1, 30)),
+        lambda: table.give_back(slot()),
+        lambda: table.orphans(worker()),
+        lambda: table.new_epoch(),
+        lambda: table.resize(rng.choice([1, n, n + 3, 0, -1])),
+        lambda: table.next_task(sampler),
+        lambda: table.step(bases, sampler, rng.random() < 0.8, rng.random() < 0.8),
+        lambda: table.reclaim(rng.choice([bases, {slot(): object()}, {"x": object()}, []])),
+        lambda: setattr(table, "active", [rng.random() < 0.6 for _ in range(rng.choice([w, w, w + 1]))]),
+        lambda: setattr(table, "rr", worker()),
+        lambda: setattr(table, "banked", rng.choice([0, 1, 5, -1])),
+        publish,
+    ]
+    for _ in range(rng.randrange(1, 40)):
+        try:
+            got = rng.choice(calls)()
+            if type(got) is int and got >= 0 and rng.random() < 0.5:
+                bases[got] = object()  # lent: held by nobody else, so the next step takes it back
+        except (TypeError, ValueError, IndexError, KeyError, AssertionError, OverflowError, RuntimeError):
+            pass
+        g.check("Scheduler")
+        table.check()
+        table.take_unposted()
     for k in range(0, SEMS, native.SEM_STRIDE):
         while native.sem_wait(g.view, k, 0.0):
             pass
@@ -595,8 +594,8 @@ def main() -> None:
     g = Guarded()
     for k in range(0, SEMS, native.SEM_STRIDE):
         native.sem_init(g.view, k)
-    kinds = [fuzz_decode, fuzz_encode, fuzz_sync, fuzz_pack, fuzz_items, fuzz_read_slot, fuzz_lend_lone, fuzz_same_attr, fuzz_unviewed, fuzz_steady_take,
-             fuzz_dispatch_next]
+    kinds = [fuzz_decode, fuzz_encode, fuzz_sync, fuzz_pack, fuzz_items, fuzz_read_slot, fuzz_lend_lone, fuzz_same_attr,
+             fuzz_unviewed, fuzz_scheduler]
     for i in range(count):
         rng.choice(kinds)(native, rng, g)
     with open("/proc/self/maps") as maps:

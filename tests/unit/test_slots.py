@@ -86,8 +86,8 @@ class SlotMachine(RuleBasedStateMachine):
         assert orphans == self.model.orphans(worker)
         for slot, task in orphans:
             if task.epoch == self.model.epoch:
-                self.native.redispatch(slot, to, task.epoch, task.seq, task.index)
-                self.model.redispatch(slot, to, task.epoch, task.seq, task.index)
+                self.native.redispatch(slot, to, task.seq, task.index)
+                self.model.redispatch(slot, to, task.seq, task.index)
 
     @rule()
     def new_epoch(self) -> None:
