@@ -29,7 +29,7 @@ from torch.utils.data import Dataset
 
 import shmloader
 from placement import place
-from shmloader import _collate, _consume, _dispatch, _lease, _native, _ring, _stats, _worker
+from shmloader import _collate, _consume, _delivery, _native, _produce, _ring, _slots, _stats, _wait, _worker
 from shmloader._bench.measure import cpu_seconds
 
 WORK = {"tiny": ((16,), torch.float32, 32), "tokens": ((512,), torch.int64, 64), "image": ((3, 224, 224), torch.uint8, 128)}
@@ -37,29 +37,25 @@ WORK = {"tiny": ((16,), torch.float32, 32), "tokens": ((512,), torch.int64, 64),
 # (owner, attribute, label): the main process's steps, then the workers'.
 MAIN_STEPS = [
     (_consume.RingIterator, "__next__", "next(): the whole call"),
-    (_native, "steady_take", "steady state: returned slots, collect, take (one native call)"),
-    (_consume.RingIterator, "_collect", "collect published slots (general path)"),
-    (_native, "dispatch_next", "in order: worker, next index, dispatch, task write + post (one native call; wakes the worker)"),
-    (_consume.RingIterator, "_next_task", "next index (torch's sampler) and worker (out of order, first batch)"),
-    (_ring.Ring, "post_task", "index + task write + post (general path; wakes the worker)"),
-    (_consume.RingIterator, "_take_next", "take the next ready slot (general path)"),
+    (_consume.RingIterator, "_round", "a round: the per-batch pass (never waits)"),
+    (_slots.Scheduler, "step", "step: slots back, results in, tasks out (index, write, post: wakes a worker), "
+                               "the batch taken (one native call)"),
     (_native, "lend_lone", "one-tensor batch: header check, table decode, view, lease (one native call)"),
-    (_consume, "read_batch", "header check, table decode, views (general path)"),
-    (_lease.Leases, "lend", "lease (the batch's base into the lease table; general path)"),
-    (_lease.Leases, "take_returned", "returned leases (general path)"),
-    (_consume.RingIterator, "_block", "wait: sched_yield and look again, then sleep on the ready semaphore"),
-    (_consume.RingIterator, "_yield_for_ready", "  of which sched_yield and look again"),
+    (_delivery, "read_batch", "other batches: header check, table decode, views"),
+    (_consume.RingIterator, "_on_event", "step's events: overflow, piped batches, errors, ends of shards"),
+    (_wait.Waiter, "block", "wait: sched_yield and look again, then sleep on the ready semaphore"),
+    (_ring.YieldWait, "__call__", "  of which sched_yield and look again"),
     (_consume.RingIterator, "_check", "dead workers and timeout (waitpid)"),
     (_stats.Counters, "requested", "counters (telemetry)"),
     (_stats.Counters, "returned", "counters (telemetry), second half"),
 ]
 WORKER_STEPS = [
     (_ring.AttachedRing, "take_task", "wait for a task and read it (task semaphore, header, index)"),
-    (_worker._Producer, "_samples", "fetch samples (__getitem__)"),
+    (_produce.Producer, "_samples", "fetch samples (__getitem__)"),
     (_collate, "_stack_into_slot", "stack into the slot (torch.stack out=)"),
     (_collate.SlotWriter, "finish", "skeleton and leaf table"),
     (_worker, "_publish", "publish (header, DONE, post; doorbell when async waits)"),
-    (_worker._Producer, "produce", "produce: fetch + collate + finish"),
+    (_produce.Producer, "produce", "produce: fetch + collate + finish"),
 ]
 
 
@@ -140,7 +136,7 @@ def run(name: str, batches: int, profile: bool, pin: bool = False) -> tuple[floa
     for v in acc.values():
         v[0] = v[1] = 0
     it = loader._iterator
-    pids = [p.pid for p in it._pool.procs]
+    pids = [p.pid for p in it._life.pool.procs]
     if pin:
         place("apart", pids)
     workers_before = cpu_seconds(pids)

@@ -259,7 +259,7 @@ def read_batch(ring: Ring, slot: int, convert: LeafConverter | None = None,
 def lone_args(ring: Ring, num_slots: int) -> tuple[Any, ...]:
     """What ``_native.lend_lone`` needs of ``ring``: ``read_batch``'s common case (a batch that is
     one tensor in its slot) and ``Leases.lend`` in one call, while fewer than ``num_slots - 1``
-    slots are lent (else the caller decides whether to copy: see ``RingIterator._deliver``)."""
+    slots are lent (else the caller decides whether to copy: see ``Delivery.deliver``)."""
     return (ring.mm, ring.header_offsets, ring.data_offsets, ring.geometry.data_bytes, LONE_LEAF, int(_REGION),
             _SLOT, _TENSOR, NP_DTYPES, _NUMPY_MAX_NDIM, np.ndarray, torch.from_numpy, num_slots - 1)
 
