@@ -334,8 +334,8 @@ def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: Producer, mailbox: M
             return
         del batch
         if spent > LONG_BATCH_NS:
-            # A sync next() waiting for a batch yields its CPU rather than sleeping
-            # _wait.Waiter, YieldWait), so when every CPU runs a worker it waits in a run queue behind
+            # A sync next() waiting for a batch yields its CPU rather than sleeping (_wait.Waiter,
+            # YieldWait), so when every CPU runs a worker it waits in a run queue behind
             # one until that worker's time slice ends: milliseconds, when batches take that
             # long, while the next tasks wait for it to take this batch. Sharing its run queue,
             # this worker hands it the CPU now; alone, the call returns at once (< 1 µs).
