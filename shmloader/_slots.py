@@ -58,6 +58,8 @@ class Task(NamedTuple):
 class Scheduler(_native.Scheduler):
     """``_native.Scheduler`` with its tasks as ``Task``s and its states as ``SlotState``s."""
 
+    __slots__ = ()  # (no instance dict: the per-batch calls find the native methods at once)
+
     def task_of(self, slot: int) -> Task | None:
         raw = self.task(slot)
         return None if raw is None else Task(*raw)

@@ -39,6 +39,8 @@ from ._produce import Outcome, Producer, WorkerConfig, init, wrap
 from ._ring import AttachedRing
 
 _ONE = struct.pack("=Q", 1)
+_OK, _NEED_MEMORY = Status.OK, Status.NEED_MEMORY  # (a global costs less than an enum member lookup, per batch)
+_BUSY_NS, _BATCHES = Counter.BUSY_NS, Counter.BATCHES
 # A batch that took longer than this gives the CPU away once it is published (_serve). Small
 # batches don't: their worker soon waits for its next task, which frees the CPU anyway.
 LONG_BATCH_NS = 200_000
@@ -62,7 +64,7 @@ def _rebuild_fd(dup: Any) -> InheritedFd:
 
 def _publish(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWriter, outcome: Outcome,
              epoch: int, seq: int, doorbell: int, region: Region = Region.SLOT) -> None:
-    if outcome.status is Status.OK:
+    if outcome.status is _OK:
         table_off, table_len = writer.table_off, writer.table_len
         pickled_off, pickled_len = writer.pickled_off, writer.pickled_len
         dataset_state_off, dataset_state_len = writer.dataset_state_off, writer.dataset_state_len
@@ -159,7 +161,7 @@ class Mailbox:
 def _deliver(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWriter, outcome: Outcome, batch: Any,
              dataset_state: bytes, epoch: int, seq: int, mailbox: Mailbox, doorbell: int) -> bool:
     """Publish ``outcome``; a batch that did not fit takes the overflow path. False: stop."""
-    if outcome.status is not Status.NEED_MEMORY:
+    if outcome.status is not _NEED_MEMORY:
         _publish(ring, slot, cfg, writer, outcome, epoch, seq, doorbell)
         return True
     measure = SlotWriter(None)  # exactly what a fresh writer will need (leaf order included)
@@ -328,8 +330,8 @@ def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: Producer, mailbox: M
             outcome, batch = producer.produce(epoch, index, writer, fn_map)
         spent = time.monotonic_ns() - began
         counters = ring.counters[cfg.worker_id]
-        counters[Counter.BUSY_NS] += spent
-        counters[Counter.BATCHES] += 1
+        counters[_BUSY_NS] += spent
+        counters[_BATCHES] += 1
         if not _deliver(ring, slot, cfg, writer, outcome, batch, producer.dataset_state, epoch, seq, mailbox, doorbell):
             return
         del batch
