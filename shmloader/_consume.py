@@ -23,9 +23,6 @@ path, with an early exit. "Nothing yet" is the private ``_NOTHING``, never a use
 from __future__ import annotations
 
 import asyncio
-import atexit
-import functools
-import os
 import pickle
 import time
 import warnings
@@ -42,13 +39,13 @@ from ._dispatch import batches_of
 from ._errors import CorruptSlotError, StopCarrier, raise_worker_error
 from ._layout import Field, Status
 from ._lease import leaves_of, read_pickled, slot_of
-from ._lifecycle import Lifecycle
+from ._lifecycle import Lifecycle, live
 from ._overflow import OverflowArena, OverflowBroker
+from ._produce import worker_configs
 from ._ring import Ring
 from ._slots import Scheduler, Step
 from ._stats import Counters, RingOccupancy, occupancy, worker_busy
 from ._wait import COPY, READY, Waiter
-from ._produce import worker_configs
 
 PARENT_CHECK_S = 0.5  # how often an idle worker checks that this process lives
 # Private answers of the iterator's steps, never a user's value (a batch may be None, 0, [] ...)
@@ -56,27 +53,6 @@ _NOTHING = object()  # nothing ready yet
 _END = object()  # the epoch has ended
 _GROW = object()  # the ring must grow before anything else is dispatched
 _NOT_READY = int(Step.NOT_READY)
-
-_live: weakref.WeakSet[RingIterator] = weakref.WeakSet()  # iterators whose workers may run
-
-
-@atexit.register
-def _stop_at_exit() -> None:
-    """At interpreter exit, before modules are torn down (an iterator a module still holds,
-    a persistent one most often, would otherwise be collected after the modules it needs):
-    stop every live iterator's workers; its last words (its progress, for a checkpoint) are
-    not wanted any more."""
-    for it in list(_live):
-        it.last_words = None
-        it._shutdown_workers()
-
-
-def _remember_batch_bytes(loader: weakref.ref[Any], nbytes: int) -> None:
-    """Rings made later (next epochs, when not persistent) start at this slot size."""
-    owner = loader()
-    if owner is not None:
-        owner._shm_batch_bytes = max(owner._shm_batch_bytes or 0, nbytes)
-
 
 class RingIterator(_BaseDataLoaderIter):
     """Iterator over a DataLoader with ``num_workers > 0`` (sync and async)."""
@@ -109,8 +85,7 @@ class RingIterator(_BaseDataLoaderIter):
         self._fatal: BaseException | None = None  # what stopped the workers before the epoch ended
         cap = self._num_workers * self._prefetch_factor  # torch's bound on tasks; memory_budget may give fewer slots
         self._sched = Scheduler(cap, self._num_workers, cap, in_order=loader.in_order)
-        self._broker = OverflowBroker(OverflowArena(), self._memory_budget, loader.in_order,
-                                      functools.partial(_remember_batch_bytes, self._loader))
+        self._broker = OverflowBroker(OverflowArena(), self._memory_budget, loader.in_order, self._loader)
         self._delivery = Delivery(self._sched, self._broker, self._counters, self._iterable)
         resume: _checkpoint.IterableResume | None = loader._shm_resume_iterable
         configs = worker_configs(self, loader.worker_init_fn, int(self._base_seed), PARENT_CHECK_S,
@@ -118,15 +93,7 @@ class RingIterator(_BaseDataLoaderIter):
         self._life = Lifecycle(loader.multiprocessing_context or torch.multiprocessing, configs, self._sched,
                                self._delivery, self._broker, self._counters)
         self._waiter = Waiter(self._life, self._sched, self._delivery, self._counters)
-        _live.add(self)
-        me = weakref.ref(self)
-
-        def room_freed() -> None:  # (any thread: the one that dropped an overflow batch)
-            it = me()
-            if it is not None and it._broker.awaiting_room:
-                it._life.doorbell.ring()  # (a no-op once shut down: the bell is closed)
-
-        self._broker.arena.on_free = room_freed
+        live.add(self)
         self._reset(loader, first_iter=True)
         if resume is not None:  # continue the round-robin where the checkpointed epoch was
             self._sched.active = resume.active

@@ -12,6 +12,9 @@ and take ``check``: the iterator's look at dead workers and the timeout.
 
 from __future__ import annotations
 
+import atexit
+import functools
+import weakref
 from typing import Any, Callable, Generator
 
 import torch
@@ -30,6 +33,26 @@ from ._stats import Counters
 from ._produce import WorkerConfig
 
 Steps = Generator[tuple[Any, ...], None, Any]
+live: weakref.WeakSet[Any] = weakref.WeakSet()  # iterators whose workers may run (RingIterator adds itself)
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """At interpreter exit, before modules are torn down (an iterator a module still holds,
+    a persistent one most often, would otherwise be collected after the modules it needs):
+    stop every live iterator's workers; its last words (its progress, for a checkpoint) are
+    not wanted any more."""
+    for it in list(live):
+        it.last_words = None
+        it._shutdown_workers()
+
+
+def _room_freed(broker: weakref.ref[OverflowBroker], doorbell: Doorbell) -> None:
+    """Overflow memory was freed (from any thread: the one that dropped the batch): a grant
+    that waits for room in memory_budget may go now, so an async for waiting is woken."""
+    waiting = broker()
+    if waiting is not None and waiting.awaiting_room:
+        doorbell.ring()  # (a no-op once shut down: the bell is closed)
 
 
 class Lifecycle:
@@ -45,6 +68,7 @@ class Lifecycle:
         except BaseException:
             self.doorbell.close()
             raise
+        broker.arena.on_free = functools.partial(_room_freed, weakref.ref(broker), self.doorbell)
         self.ring: Ring | None = None
         self.pinned = False  # the ring is page-locked (pin_memory=True or device= on CUDA)
         self.started = False  # the ring exists and every worker has attached to it once

@@ -112,16 +112,21 @@ class OverflowBroker:
     arena frees it when the batch's last view dies) or dropped with its task (``drop``: stale
     epoch, dead worker, error), exactly once."""
 
-    def __init__(self, arena: OverflowArena, budget: int | None, in_order: bool,
-                 remember: Callable[[int], None]) -> None:
+    def __init__(self, arena: OverflowArena, budget: int | None, in_order: bool, loader: weakref.ref[Any]) -> None:
         self.arena = arena
         self.budget = budget
         self.in_order = in_order
-        self.remember = remember  # called with a slot size later rings should start at
+        self._loader = loader  # (weakly: an iterator never keeps its loader alive)
         self.grants: dict[int, tuple[Mapping, int]] = {}  # slot -> (mapping, bytes) granted to its task
         self.grow_to: int | None = None  # a larger slot size, taken up once the ring drains
         self.growth_declined = False  # memory_budget had no room to grow; overflow carries large batches
         self.awaiting_room = False  # a grant waits for memory_budget: freed memory rings the doorbell
+
+    def remember(self, nbytes: int) -> None:
+        """Rings made later (next epochs, when not persistent) start at this slot size."""
+        loader = self._loader()
+        if loader is not None:
+            loader._shm_batch_bytes = max(loader._shm_batch_bytes or 0, nbytes)
 
     def where(self, slot: int) -> Where | None:
         """Where the result of ``slot``'s task lies when it was granted overflow memory."""
