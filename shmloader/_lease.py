@@ -93,6 +93,10 @@ class Leases:
         """Slots the user holds right now."""
         return len(self.bases) - len(_native.unviewed(self.bases, False))
 
+    def held(self) -> set[int]:
+        """The slots the user holds right now (a batch, or a view of one, is alive)."""
+        return set(self.bases) - set(_native.unviewed(self.bases, False))
+
     @property
     def lent(self) -> set[int]:
         """Slots not yet taken back."""

@@ -186,14 +186,17 @@ class Lifecycle:
     # --------------------------------------------------------------- grow
     def grow(self, budget: int | None, check: Callable[[], None]) -> Steps:
         """Replace the drained ring by one with larger slots (``broker.grow_to``); every worker
-        attaches to it. Under memory_budget only when the new ring, and room for one batch to
-        overflow, fit beside what is still held (the old ring while the user views it);
-        otherwise overflow keeps carrying large batches."""
+        attaches to it. The old ring's slots the user does not hold go back to the system at
+        once. Under memory_budget only when the new ring, and room for one batch to overflow,
+        fit beside what is still held (the old ring's held slots); otherwise overflow keeps
+        carrying large batches."""
         old, broker = self.ring, self.broker
         assert old is not None and broker.grow_to is not None
         size, broker.grow_to = broker.grow_to, None
         g = RingGeometry(self.sched.num_workers, self.sched.num_slots, size)
-        held = old.geometry.total_bytes if self.delivery.leases.holding() else 0
+        keep = self.delivery.leases.held()  # the old ring's slots the user still views
+        og = old.geometry
+        held = og.control_bytes + len(keep) * og.slot_stride if keep else 0
         # Under memory_budget, only with room left beside it for a batch of that size to
         # overflow: a grown ring that fills the budget would make the next larger batch an error.
         if budget is not None and g.total_bytes + size + held + broker.arena.in_use > budget:
@@ -217,6 +220,7 @@ class Lifecycle:
                 self.pool.send(wid, ("ring", -1, ring.geometry), ring.fd, dead_ok=True)
                 old.push_task(wid, RESIZE_TASK)
         finally:
+            old.give_back(keep)  # (drained: no task is in flight; the workers' next is to attach)
             old.close()
             if held:
                 broker.arena.retire(old.mm, held)
@@ -307,6 +311,8 @@ class Lifecycle:
             if stager is not None:
                 stager.stream.synchronize()  # no DMA may outlive the mapping it reads
             self.pool.stop(self.ring)
+            if self.ring is not None:  # nobody writes it now: what the user does not hold goes back
+                self.ring.give_back(self.delivery.leases.held())
         finally:
             if self.ring is not None:
                 self.ring.close()
