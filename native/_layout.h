@@ -25,7 +25,8 @@
 #define F_DATASET_STATE_OFF 13
 #define F_DATASET_STATE_LEN 14
 #define F_REGION 15
-#define N_HEADER_FIELDS 16
+#define F_OWN 16 /* task: 1 when the batch goes into memory of its own (the consumer holds the ring) */
+#define N_HEADER_FIELDS 17
 
 /* STATE: a task pending (the consumer posted it) or a result complete (the worker published it). */
 #define STATE_IDLE 0
@@ -47,7 +48,7 @@ enum { SLOT_FREE, SLOT_IN_FLIGHT, SLOT_WAITING, SLOT_READY, SLOT_LENT, N_SLOT_ST
 #define SHMLOADER_LAYOUT_NAMES(X)                                                                                   \
     X(F_STATE) X(F_EPOCH) X(F_SEQ) X(F_TASK_LEN) X(F_STATUS) X(F_WORKER) X(F_TABLE_OFF) X(F_TABLE_LEN)              \
     X(F_PICKLED_OFF) X(F_PICKLED_LEN) X(F_NEEDED) X(F_R_EPOCH) X(F_R_SEQ) X(F_DATASET_STATE_OFF)                   \
-    X(F_DATASET_STATE_LEN) X(F_REGION) X(N_HEADER_FIELDS) X(STATE_IDLE) X(STATE_DONE) X(STATUS_OK)                  \
+    X(F_DATASET_STATE_LEN) X(F_REGION) X(F_OWN) X(N_HEADER_FIELDS) X(STATE_IDLE) X(STATE_DONE) X(STATUS_OK)                  \
     X(STATUS_NEED_MEMORY) X(REGION_SLOT) X(REGION_OVERFLOW) X(REGION_PIPE) X(SLOT_FREE) X(SLOT_IN_FLIGHT)           \
     X(SLOT_WAITING) X(SLOT_READY) X(SLOT_LENT)
 

@@ -46,7 +46,7 @@ enum { NOT_READY = -1, EV_NEED_MEMORY = -2, EV_PIPE = -3, EV_TORN = -4, EV_STALE
 
 int shmloader_write_task(Py_buffer *view, Py_ssize_t header, int64_t epoch, int64_t seq, PyObject *index,
                          int pickled, Py_ssize_t data, Py_ssize_t cap, Py_ssize_t entry, int64_t slot,
-                         Py_ssize_t sem_off); /* native/_sync.c */
+                         Py_ssize_t sem_off, int own); /* native/_sync.c */
 
 static const char *const STATE_NAMES[N_SLOT_STATES] = {"FREE", "IN_FLIGHT", "WAITING", "READY", "LENT"};
 
@@ -70,6 +70,7 @@ typedef struct {
     Py_ssize_t rr;
     int64_t send_seq, rcvd_seq, banked;
     int sampler_done;
+    int own; /* tasks dispatched now go into memory of their own: the user holds the ring */
     /* the ring, once attached */
     PyObject *ring;
     PyObject *tails; /* the ring's list: tasks queued per worker so far (Ring._tails) */
@@ -252,7 +253,7 @@ static int post(Scheduler *t, Py_buffer *view, Py_ssize_t slot) {
     }
     Py_ssize_t entry = t->queue_off[w] + (tail % t->queue_len) * 8;
     int code = shmloader_write_task(view, t->header_off[slot], t->epoch[slot], t->seq[slot], t->index[slot], 0,
-                                    t->data_off[slot], t->data_bytes, entry, slot, t->task_sem[w]);
+                                    t->data_off[slot], t->data_bytes, entry, slot, t->task_sem[w], t->own);
     if (code == 1) {
         PyObject *next_tail = PyLong_FromSsize_t(tail + 1);
         if (next_tail == NULL) return -2;
@@ -983,6 +984,17 @@ static int set_rr(Scheduler *t, PyObject *v, void *c) {
 }
 
 static PyObject *get_in_order(Scheduler *t, void *c) { return PyBool_FromLong(t->in_order); }
+static PyObject *get_own(Scheduler *t, void *c) { return PyBool_FromLong(t->own); }
+
+static int set_own(Scheduler *t, PyObject *v, void *c) {
+    int b = v == NULL ? -1 : PyObject_IsTrue(v);
+    if (b < 0) {
+        if (v == NULL) PyErr_SetString(PyExc_AttributeError, "cannot delete own");
+        return -1;
+    }
+    t->own = b;
+    return 0;
+}
 static PyObject *get_sampler_done(Scheduler *t, void *c) { return PyBool_FromLong(t->sampler_done); }
 static PyObject *get_has_unposted(Scheduler *t, void *c) { return PyBool_FromLong(PyList_GET_SIZE(t->unposted) > 0); }
 
@@ -1054,6 +1066,8 @@ static PyGetSetDef scheduler_getset[] = {
     {"sampler_done", (getter)get_sampler_done, (setter)set_sampler_done, "the epoch has no more tasks", NULL},
     {"event", (getter)get_event, NULL, "the slot of the last step's event", NULL},
     {"has_unposted", (getter)get_has_unposted, NULL, "whether take_unposted has slots to give", NULL},
+    {"own", (getter)get_own, (setter)set_own,
+     "tasks posted from now on go into memory of their own, not their slot (the user holds the ring)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -221,12 +221,13 @@ static int store_ints(PyObject *seq, char *h) {
 }
 
 PyDoc_STRVAR(post_task_doc,
-"post_task($module, buffer, header, epoch, seq, index, pickled, data, cap, entry, slot, sem, /)\n--\n\n"
+"post_task($module, buffer, header, epoch, seq, index, pickled, data, cap, entry, slot, sem, own, /)\n--\n\n"
 "Hand a task to a worker in one call. The index goes to buffer[data:data+cap]: with `pickled`\n"
 "false, `index` must be a list of exact ints that fit int64 (a batch sampler's) or a range\n"
 "whose values fit int64 (standing for the list of them), stored as int64 values\n"
 "(TASK_LEN -2 - n); with `pickled` true, `index` is the pickled index's bytes\n"
-"(TASK_LEN their length). Then the header at buffer[header:] gets IDLE, epoch, seq, TASK_LEN,\n"
+"(TASK_LEN their length). Then the header at buffer[header:] gets IDLE, epoch, seq, TASK_LEN, OWN\n"
+"(`own`: the batch goes into memory of its own, not the slot),\n"
 "buffer[entry] (the worker's queue entry) gets `slot`, and the semaphore at buffer[sem] is\n"
 "posted (a full barrier: the worker sees every write once it takes the token).\n"
 "Returns 1 when posted; 0 when the index does not fit `cap` bytes (nothing written); -1 when\n"
@@ -265,7 +266,7 @@ static int store_range(PyObject *r, char *dst, Py_ssize_t n, int fit) {
    in either case), -2 an error (an exception is set). */
 int shmloader_write_task(Py_buffer *view, Py_ssize_t header, int64_t epoch, int64_t seq, PyObject *index,
                          int pickled, Py_ssize_t data, Py_ssize_t cap, Py_ssize_t entry, int64_t slot,
-                         Py_ssize_t sem_off) {
+                         Py_ssize_t sem_off, int own) {
     int is_range = !pickled && PyRange_Check(index);
     if (pickled ? !PyBytes_Check(index) : !(PyList_CheckExact(index) || is_range)) {
         if (pickled) {
@@ -274,7 +275,7 @@ int shmloader_write_task(Py_buffer *view, Py_ssize_t header, int64_t epoch, int6
         }
         return -1;
     }
-    if (!fits(view, header, (F_TASK_LEN + 1) * 8) || !fits(view, sem_off, SEM_STRIDE) || !fits(view, entry, 8) ||
+    if (!fits(view, header, N_HEADER_FIELDS * 8) || !fits(view, sem_off, SEM_STRIDE) || !fits(view, entry, 8) ||
         cap < 0 || data < 0 || data > view->len - cap) {
         PyErr_SetString(PyExc_ValueError, "post_task: an offset lies outside the buffer or is misaligned");
         return -2;
@@ -322,6 +323,7 @@ int shmloader_write_task(Py_buffer *view, Py_ssize_t header, int64_t epoch, int6
     fields[F_EPOCH] = epoch;
     fields[F_SEQ] = seq;
     fields[F_TASK_LEN] = task_len;
+    fields[F_OWN] = own;
     *(int64_t *)((char *)view->buf + entry) = slot;
     if (sem_post((sem_t *)((char *)view->buf + sem_off)) != 0) {
         PyErr_SetFromErrno(PyExc_OSError);
@@ -334,17 +336,17 @@ static PyObject *py_post_task(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_ssize_t header, data, cap, entry, sem_off;
     long long epoch, seq, slot;
     Py_buffer view;
-    if (!nargs_is("post_task", nargs, 11) || !as_ssize(args[1], &header) || !as_ssize(args[6], &data) ||
+    if (!nargs_is("post_task", nargs, 12) || !as_ssize(args[1], &header) || !as_ssize(args[6], &data) ||
         !as_ssize(args[7], &cap) || !as_ssize(args[8], &entry) || !as_ssize(args[10], &sem_off))
         return NULL;
     if (((epoch = PyLong_AsLongLong(args[2])) == -1 && PyErr_Occurred()) ||
         ((seq = PyLong_AsLongLong(args[3])) == -1 && PyErr_Occurred()) ||
         ((slot = PyLong_AsLongLong(args[9])) == -1 && PyErr_Occurred()))
         return NULL;
-    int pickled = PyObject_IsTrue(args[5]);
-    if (pickled < 0 || PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0) return NULL;
+    int pickled = PyObject_IsTrue(args[5]), own = PyObject_IsTrue(args[11]);
+    if (pickled < 0 || own < 0 || PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0) return NULL;
     int code = shmloader_write_task(&view, header, (int64_t)epoch, (int64_t)seq, args[4], pickled, data, cap, entry,
-                                    (int64_t)slot, sem_off);
+                                    (int64_t)slot, sem_off, own);
     PyBuffer_Release(&view);
     return code == -2 ? NULL : PyLong_FromLong(code);
 }
@@ -412,7 +414,7 @@ PyDoc_STRVAR(take_task_doc,
 "take_task($module, buffer, sem, entry, headers, data, cap, timeout, /)\n--\n\n"
 "A worker's next task in one call: take a token of the semaphore at buffer[sem] (as sem_wait),\n"
 "then read the queue entry at buffer[entry]. Returns None on timeout; the entry itself when it\n"
-"is negative (stop, attach to a grown ring); otherwise (slot, epoch, seq, index), read from\n"
+"is negative (stop, attach to a grown ring); otherwise (slot, epoch, seq, index, own), read from\n"
 "the slot's header at buffer[headers[slot]] and its data region at buffer[data[slot]] of `cap`\n"
 "bytes: index is the list of ints of a TASK_LEN of -2 - n, the pickled bytes of a TASK_LEN >= 0,\n"
 "None for -1 (the index comes over the worker's connection). Lengths are clamped to `cap`.\n"
@@ -457,12 +459,12 @@ static PyObject *py_take_task(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_ssize_t header = PyLong_AsSsize_t(PyTuple_GET_ITEM(headers, slot));
     Py_ssize_t data = PyLong_AsSsize_t(PyTuple_GET_ITEM(datas, slot));
     if ((header == -1 || data == -1) && PyErr_Occurred()) goto release;
-    if (!fits(&view, header, (F_TASK_LEN + 1) * 8) || data < 0 || data > view.len - cap) {
+    if (!fits(&view, header, N_HEADER_FIELDS * 8) || data < 0 || data > view.len - cap) {
         PyErr_SetString(PyExc_ValueError, "take_task: a slot's offsets lie outside the buffer or are misaligned");
         goto release;
     }
     const int64_t *h = (const int64_t *)((char *)view.buf + header);
-    int64_t epoch = h[F_EPOCH], seq = h[F_SEQ], task_len = h[F_TASK_LEN];
+    int64_t epoch = h[F_EPOCH], seq = h[F_SEQ], task_len = h[F_TASK_LEN], own = h[F_OWN] != 0;
     const char *payload = (const char *)view.buf + data;
     PyObject *index;
     if (task_len >= 0) {
@@ -482,7 +484,8 @@ static PyObject *py_take_task(PyObject *self, PyObject *const *args, Py_ssize_t 
             else PyList_SET_ITEM(index, i, item);
         }
     }
-    if (index != NULL) result = Py_BuildValue("(LLLN)", (long long)slot, (long long)epoch, (long long)seq, index);
+    if (index != NULL)
+        result = Py_BuildValue("(LLLNO)", (long long)slot, (long long)epoch, (long long)seq, index, own ? Py_True : Py_False);
 release:
     PyBuffer_Release(&view);
     return result;

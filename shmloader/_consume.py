@@ -227,11 +227,12 @@ class RingIterator(_BaseDataLoaderIter):
             self._broker.drop(slot)
         elif code == Step.TORN:
             task = sched.task_of(slot)
-            self._shutdown_workers()
-            raise CorruptSlotError(
+            error = CorruptSlotError(
                 f"slot {slot} was published for task {hdr[Field.R_SEQ]} of epoch {hdr[Field.R_EPOCH]}, "
                 f"but holds task {task and task.seq} of epoch {task and task.epoch}: a torn or foreign write"
             )
+            self._shutdown_workers()  # (after the header is read: shutting down gives its memory back)
+            raise error
         elif code == Step.RESULT:  # taken, and not a batch: an end of shard, or an error
             status = hdr[Field.STATUS]
             sched.give_back(slot)

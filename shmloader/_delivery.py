@@ -8,7 +8,9 @@ a worker's pipe, and the device stager. A batch is, in order of preference:
 - views of its slot (``read_batch``), lent until its last view dies or ``release()``;
 - views of its own overflow memory: the slot is free at once, the memory once the batch dies;
 - a copy, when lending the slot would leave the workers no slot at all (the user holds the
-  rest of the ring: ``list(loader)``, a replay buffer), or when it came over the pipe;
+  rest of the ring: ``list(loader)``, a replay buffer), or when it came over the pipe; the
+  batches after such a copy are written into memory of their own (views, as overflow
+  batches), until the user lets go of the ring;
 - on a device: copied on a side stream ahead of the consumer (``DeviceStager``); its slot
   returns once the copy has completed.
 
@@ -97,12 +99,18 @@ class Delivery:
                 raise
             self.broker.take(slot, base)
             self.counters.overflow_batches += 1
+            if self.sched.own and self.leases.holding() < self.sched.num_slots - 2:
+                self.sched.own = False  # the user let go of the ring: batches go into slots again
         else:
             # Never lend the last slot: a caller that keeps every batch (list(loader), a
-            # replay buffer) would leave the workers nowhere to write. Copy instead.
+            # replay buffer) would leave the workers nowhere to write. Copy this one, and have
+            # the next ones written into memory of their own (the overflow path: zero-copy
+            # views, as torch's batches are, each its own segment) while the user holds the ring.
             leases = self.leases
             last = self.sched.num_slots - 1  # lent slots before this one that leave none to the workers
             copy = len(leases.bases) >= last and leases.holding() >= last
+            if copy:
+                self.sched.own = True
             try:
                 batch, base, nbytes = read_batch(ring, slot, copy_leaf if copy else None)
             except BaseException:
@@ -129,6 +137,13 @@ class Delivery:
             self.sched.banked += 1  # (the token stays: the slot's next publication is its)
         elif self.sched.done(slot):
             self.piped[slot] = payload
+
+    def kept(self) -> set[int]:
+        """The slots whose memory someone may still read: lent and not given back (a batch the
+        user holds, or a device copy's source), less those whose batch is gone or released."""
+        sched, leases = self.sched, self.leases
+        lent = {s for s in range(sched.num_slots) if sched.state_of(s) == SlotState.LENT}
+        return lent - (set(leases.bases) - leases.held()) - set(leases.released)
 
     def stage(self, slot: int) -> None:
         """Start the device copy of ``slot``'s batch (just taken); it is handed over by

@@ -144,7 +144,7 @@ class DeviceStager:
         def to_device(leaf: Any, kind: int) -> Any:
             if kind != Kind.TENSOR:
                 return leaf.copy()
-            out = leaf.to(self.device, non_blocking=True)
+            out = leaf.to(self.device, non_blocking=True, copy=True)  # (a copy even to the same device: the slot is reused)
             moved.append(out)
             return out
 

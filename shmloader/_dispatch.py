@@ -44,15 +44,16 @@ def as_list(index: Any) -> Any:
 
 
 def post(ring: Ring, send: Callable[[int, tuple[Any, ...]], object], slot: int, wid: int, epoch: int, seq: int,
-         index: Any) -> int:
+         index: Any, own: bool) -> int:
     """Write task ``seq`` into ``slot`` and wake worker ``wid``, the way its index fits: a list
     of ints as int64 values (one native call: what ``Scheduler.step`` posts itself), else
     pickled into the slot, else pickled over the worker's connection (``send``). Returns the
-    bytes of an index the slot could not hold (the ring should grow to hold it), else 0."""
-    posted = ring.post_task(wid, slot, epoch, seq, index)
+    bytes of an index the slot could not hold (the ring should grow to hold it), else 0. ``own``:
+    the batch goes into memory of its own (``Field.OWN``)."""
+    posted = ring.post_task(wid, slot, epoch, seq, index, own=own)
     if posted == NOT_INTS:
         payload = pickle.dumps(as_list(index), protocol=pickle.HIGHEST_PROTOCOL)
-        posted = ring.post_task(wid, slot, epoch, seq, payload, True)
+        posted = ring.post_task(wid, slot, epoch, seq, payload, True, own)
     if posted == POSTED:
         return 0
     payload = pickle.dumps(as_list(index), protocol=pickle.HIGHEST_PROTOCOL)
@@ -61,6 +62,7 @@ def post(ring: Ring, send: Callable[[int, tuple[Any, ...]], object], slot: int, 
     hdr[Field.EPOCH] = epoch
     hdr[Field.SEQ] = seq
     hdr[Field.TASK_LEN] = -1
+    hdr[Field.OWN] = own
     send(wid, ("index", slot, payload))
     ring.push_task(wid, slot)
     return len(payload) if len(payload) > ring.data_bytes else 0

@@ -67,9 +67,10 @@ class Field:
     DATASET_STATE_OFF = 13  # result: the pickled IterableDataset state_dict() after this batch (or 0 bytes)
     DATASET_STATE_LEN = 14
     REGION = 15  # result: where the batch lies, a Region value (offsets above are relative to it)
+    OWN = 16  # task: 1 when the batch goes into memory of its own (the consumer holds the ring), not its slot
 
 
-N_FIELDS: Final = 16
+N_FIELDS: Final = 17
 # The fields _native.read_slot and _native.take_task read, and _native.post_task writes (STATE is
 # field 0) (fixed in native/): checked here, once.
 def _agree(what: str, python: object, native: object) -> None:

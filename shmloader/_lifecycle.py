@@ -291,7 +291,7 @@ class Lifecycle:
         assert ring is not None and task is not None
         send = self.pool.send
         needed = post(ring, lambda wid, msg: send(wid, msg, dead_ok=True), slot, task.worker, task.epoch, task.seq,
-                      task.index)
+                      task.index, self.sched.own)
         if needed:
             self.broker.want_growth(needed, ring.data_bytes)
 
@@ -311,8 +311,8 @@ class Lifecycle:
             if stager is not None:
                 stager.stream.synchronize()  # no DMA may outlive the mapping it reads
             self.pool.stop(self.ring)
-            if self.ring is not None:  # nobody writes it now: what the user does not hold goes back
-                self.ring.give_back(self.delivery.leases.held())
+            if self.ring is not None:  # nobody writes it now: what nobody holds goes back
+                self.ring.give_back(self.delivery.kept())
         finally:
             if self.ring is not None:
                 self.ring.close()

@@ -160,15 +160,18 @@ class Ring(_Views):
         self.tails[worker] += 1
         _native.sem_post(self.mm, self.task_sems[worker])
 
-    def post_task(self, worker: int, slot: int, epoch: int, seq: int, index: Any, pickled: bool = False) -> int:
+    def post_task(self, worker: int, slot: int, epoch: int, seq: int, index: Any, pickled: bool = False,
+                  own: bool = False) -> int:
         """Write task ``seq`` into ``slot`` (its header fields and its index: a list of ints as
-        int64 values, or with ``pickled`` the pickled index's bytes; see ``Field.TASK_LEN``),
-        queue it for ``worker`` and wake it: one native call. Returns POSTED, DOES_NOT_FIT (nothing
-        was written or queued) or NOT_INTS (``index`` is not a list of int64 ints: pickle it)."""
+        int64 values, or with ``pickled`` the pickled index's bytes; see ``Field.TASK_LEN``; with
+        ``own``, the batch is to go into memory of its own: ``Field.OWN``), queue it for ``worker``
+        and wake it: one native call. Returns POSTED, DOES_NOT_FIT (nothing was written or queued)
+        or NOT_INTS (``index`` is not a list of int64 ints: pickle it)."""
         tail = self.tails[worker]
         entry = self.queue_offsets[worker] + (tail % self.queue_len) * 8
         posted: int = _native.post_task(self.mm, self.header_offsets[slot], epoch, seq, index, pickled,
-                                        self.data_offsets[slot], self.data_bytes, entry, slot, self.task_sems[worker])
+                                        self.data_offsets[slot], self.data_bytes, entry, slot, self.task_sems[worker],
+                                        own)
         if posted == POSTED:
             self.tails[worker] = tail + 1
         return posted
@@ -235,8 +238,8 @@ class AttachedRing(_Views):
         return bool(_native.publish(self.mm, self.header_offsets[slot], Field.STATUS, results, self.state_offsets[slot],
                                     DONE, self.ready_sem, self.doorbell_flag))
 
-    def take_task(self, timeout: float) -> None | int | tuple[int, int, int, Any]:
-        """The next task queued for this worker: (slot, epoch, seq, index), where index is the
+    def take_task(self, timeout: float) -> None | int | tuple[int, int, int, Any, bool]:
+        """The next task queued for this worker: (slot, epoch, seq, index, own), where index is the
         batch sampler's list of ints, the pickled index's bytes, or None (it comes over the
         connection: ``Field.TASK_LEN``); a negative queue entry (STOP_TASK, RESIZE_TASK) as it
         is; None when nothing came within ``timeout`` s.
@@ -251,7 +254,7 @@ class AttachedRing(_Views):
             return self._take(-1.0)  # the token is taken: read the entry
         return self._take(timeout)
 
-    def _take(self, timeout: float) -> None | int | tuple[int, int, int, Any]:
+    def _take(self, timeout: float) -> None | int | tuple[int, int, int, Any, bool]:
         entry = self._queue + (self._head % self.queue_len) * 8
         task = _native.take_task(self.mm, self._task_sem, entry, self.header_offsets, self.data_offsets,
                                  self.data_bytes, timeout)

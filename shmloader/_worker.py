@@ -201,9 +201,12 @@ def _deliver(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWrite
         outcome = Outcome(Status.OK, needed=needed)
     except Exception:
         outcome = Outcome(Status.ERROR, error=wrap(where=f"in DataLoader worker process {cfg.worker_id}"))
+    # The overflow writer's layout, not the slot writer's: their leaves can come in another order
+    # (default collate stacks some leaves before the skeleton is pickled, which adds the rest).
+    written = outcome.status is Status.OK
+    _publish(ring, slot, cfg, overflow if written else writer, outcome, epoch, seq, doorbell,
+             Region.OVERFLOW if written else Region.SLOT)
     del overflow, mm  # unmapped once the writer's views are gone; the consumer keeps its own mapping
-    _publish(ring, slot, cfg, writer, outcome, epoch, seq, doorbell,
-             Region.OVERFLOW if outcome.status is Status.OK else Region.SLOT)
     return True
 
 
@@ -312,7 +315,7 @@ def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: Producer, mailbox: M
             writer = SlotWriter(ring.mm)
             fn_map = slot_collate_map(writer)
             continue
-        slot, epoch, seq, index = task
+        slot, epoch, seq, index, own = task
         if index is None:  # the pickled index did not fit the slot: it came over the connection
             msg = mailbox.expect("index", slot)
             if msg is None:
@@ -322,7 +325,9 @@ def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: Producer, mailbox: M
             index = pickle.loads(index)
         start = ring.data_offsets[slot]
         began = time.monotonic_ns()
-        writer.begin(start, ring.data_bytes)
+        # own: the consumer holds the rest of the ring, so the batch goes into memory of its own
+        # (a slot of capacity 0 takes the overflow path: measured, then granted a memfd)
+        writer.begin(start, 0 if own else ring.data_bytes)
         batch = None
         if init_error is not None:
             outcome, init_error = Outcome(Status.INIT_ERROR, error=init_error), None

@@ -69,6 +69,14 @@ class Sized(Dataset):  # type: ignore[type-arg]
         return torch.full((self.sizes[i],), float(i))
 
 
+class SizedDicts(Sized):
+    """Sample i is a dict: its number (default_collate makes a tensor of them when the skeleton
+    is pickled, after it has stacked ``x`` into the slot), ``x`` as ``Sized``'s, and a pair."""
+
+    def __getitem__(self, i: int) -> dict[str, Any]:  # type: ignore[override]
+        return {"n": i, "x": super().__getitem__(i), "pair": (float(i), f"s{i}")}
+
+
 class Noise(Dataset):  # type: ignore[type-arg]
     """Sample i is a tensor of ``shape`` and ``dtype`` drawn from a generator seeded by i."""
 

@@ -139,14 +139,43 @@ def test_release_finds_tensors_wherever_the_batch_holds_them() -> None:
     del batches, holder, it
 
 
-def test_holding_every_batch_never_deadlocks_and_copies() -> None:
-    loader = shmloader.DataLoader(Range(200), batch_size=2, num_workers=2, prefetch_factor=2)
+@pytest.mark.parametrize("in_order", [True, False])
+def test_holding_every_batch_never_deadlocks_and_the_rest_come_in_memory_of_their_own(in_order: bool) -> None:
+    # A replay buffer: list(loader). The ring is never lent whole (the workers need a slot); the
+    # batch that finds it held is copied, and every one after it is written into memory of its
+    # own (the overflow path): views of shared memory, as torch's batches are, freed when dropped.
+    from tests.integration.test_overflow import mapped_by_us
+
+    loader = shmloader.DataLoader(Range(200), batch_size=2, num_workers=2, prefetch_factor=2, in_order=in_order)
     it = iter(loader)
     kept = list(it)
-    assert [b.tolist() for b in kept] == [[[2 * i], [2 * i + 1]] for i in range(100)]
+    want = [[[2 * i], [2 * i + 1]] for i in range(100)]
+    assert [b.tolist() for b in kept] == want if in_order else sorted(b.tolist() for b in kept) == want
     slots = 2 * 2 + 1  # num_workers * prefetch_factor, and one for the batch in hand
-    assert loader.stats().copies >= 100 - (slots - 1)
-    assert it.holding() == slots - 1  # every slot but one is lent; the rest came as copies
+    assert it.holding() == slots - 1  # every slot but one is lent
+    stats = loader.stats()
+    assert stats.copies == 1 and stats.overflow_batches == 100 - slots
+    own = [b for b in kept if slot_of(it.ring, b) is None]  # type: ignore[arg-type]
+    assert len(own) == 100 - (slots - 1)
+    maps = [(lo, hi, name) for lo, hi, name in _shared_maps()]
+    for batch in own[1:]:  # (the first is the copy)
+        ptr = batch.untyped_storage().data_ptr()
+        assert any(lo <= ptr < hi and name.startswith("/memfd:shmloader-overflow") for lo, hi, name in maps), batch
+    del own, batch, kept
+    gc.collect()
+    assert not [k for k in mapped_by_us() if "overflow" in k]  # freed with the batches
+    del it
+
+
+def _shared_maps() -> list[tuple[int, int, str]]:
+    out = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            parts = line.split()
+            if len(parts) >= 6:
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                out.append((lo, hi, parts[5]))
+    return out
 
 
 def test_a_worker_exception_keeps_its_type_and_traceback_and_the_loader_goes_on() -> None:

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import shmloader
 from tests.conftest import examples, raw, same
-from tests.datasets import Detection, Planned, Sized, Tokens, pad_collate, zip_collate
+from tests.datasets import Detection, Planned, Sized, SizedDicts, Tokens, pad_collate, zip_collate
 
 JOBS: dict[str, Callable[[], dict[str, Any]]] = {
     # dynamic padding with the raw strings; the first batches are the shortest
@@ -33,6 +33,9 @@ JOBS: dict[str, Callable[[], dict[str, Any]]] = {
     # a bucketing batch_sampler (equal sizes within a batch) whose first batch is the smallest
     "first_small": lambda: dict(dataset=Sized([1] * 2 + [n for i in range(16) for n in [random.Random(i).randint(2, 30_000)] * 6]),
                                 batch_sampler=[[0, 1]] + [list(range(i, i + 6)) for i in range(2, 98, 6)]),
+    # default collate of dicts whose leaves are written in two orders: stacked first, then pickled
+    "dicts": lambda: dict(dataset=SizedDicts([1] * 2 + [n for i in range(16) for n in [random.Random(i).randint(2, 30_000)] * 6]),
+                          batch_sampler=[[0, 1]] + [list(range(i, i + 6)) for i in range(2, 98, 6)]),
 }
 
 

@@ -331,7 +331,7 @@ def fuzz_sync(native: Any, rng: random.Random, g: Guarded) -> None:
         lambda: native.store_fenced(g.view, data_offset(rng), rng.randrange(-(2**63), 2**63)),
         lambda: native.post_task(g.view, data_offset(rng), 1, 2, rng.randbytes(rng.randrange(200)), True, data_offset(rng),
                                  rng.choice([0, 64, 4096, SIZE, -8]), data_offset(rng), rng.randrange(8),
-                                 sem_offset(native, rng)),
+                                 sem_offset(native, rng), rng.random() < 0.5),
         lambda: native.publish(g.view, data_offset(rng), rng.randrange(-2, 20), tuple(range(rng.randrange(14))),
                                data_offset(rng), 1, sem_offset(native, rng), data_offset(rng)),
         lambda: take_task(native, rng, g),
@@ -380,13 +380,14 @@ def fuzz_pack(native: Any, rng: random.Random, g: Guarded) -> None:
         try:
             items = list(index) if len(index) <= 64 else [0] * 65  # (a longer one never fits the caps below)
         except OverflowError:  # no length: refused, to be pickled (and refused there)
-            assert native.post_task(g.view, SEMS, 3, 4, index, False, SEMS + 512, 512, SEMS + 256, 1, 0) == -1
+            assert native.post_task(g.view, SEMS, 3, 4, index, False, SEMS + 512, 512, SEMS + 256, 1, 0, False) == -1
             return
     sem, header, entry, data = 0, SEMS, SEMS + 256, SEMS + 512
     cap = rng.choice([0, 8, 64, 256, 512])
     while native.sem_wait(g.view, sem, 0.0):
         pass
-    posted = native.post_task(g.view, header, 3, 4, index, False, data, cap, entry, 1, sem)
+    own = rng.random() < 0.5
+    posted = native.post_task(g.view, header, 3, 4, index, False, data, cap, entry, 1, sem, own)
     if type(index) is range:
         fits = len(index) == 0 or all(-(2**63) <= v < 2**63 for v in (index[0], index[-1]))
         exact = fits and len(index) <= 64
@@ -404,7 +405,7 @@ def fuzz_pack(native: Any, rng: random.Random, g: Guarded) -> None:
         assert posted == 1 and bytes(g.view[data : data + 8 * len(items)]) == struct.pack(f"={len(items)}q", *items), (
             index, posted, cap)
         task = native.take_task(g.view, sem, entry, (0, header), (0, data), cap, 0.0)
-        assert task == (1, 3, 4, items), (task, items)
+        assert task == (1, 3, 4, items, own), (task, items)
         return
     assert not native.sem_wait(g.view, sem, 0.0)  # nothing was queued
 

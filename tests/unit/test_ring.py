@@ -35,16 +35,17 @@ def test_a_task_reads_back_as_the_index_it_was_posted_with() -> None:
         indices: list[Any] = [list(range(5, 512 + 5)), [-(2**63), 2**63 - 1, 0], [], (1, 2), [True, 2], {"k": [1.5]},
                               [b"x"], list(range(600))]  # the last: 4,800 bytes packed, more than the slot holds
         for seq, index in enumerate(indices):
-            posted = ring.post_task(1, seq % 3, 7, seq, index)
+            own = seq % 2 == 1  # (the batch into memory of its own: the consumer holds the ring)
+            posted = ring.post_task(1, seq % 3, 7, seq, index, own=own)
             if posted < 0:  # not a list of ints: pickled, as the loader sends it
-                posted = ring.post_task(1, seq % 3, 7, seq, pickle.dumps(index), True)
+                posted = ring.post_task(1, seq % 3, 7, seq, pickle.dumps(index), True, own)
             if index == list(range(600)):
                 assert posted == 0  # does not fit: nothing was queued (the loader uses the connection)
                 continue
             assert posted == 1
-            slot, epoch, got_seq, got = worker.take_task(0.0)  # type: ignore[misc]
+            slot, epoch, got_seq, got, got_own = worker.take_task(0.0)  # type: ignore[misc]
             got = pickle.loads(got) if type(got) is bytes else got
-            assert (slot, epoch, got_seq) == (seq % 3, 7, seq)
+            assert (slot, epoch, got_seq, got_own) == (seq % 3, 7, seq, own)
             assert got == index and type(got) is type(index) and [type(v) for v in got] == [type(v) for v in index]
         assert ring.post_task(1, 0, 7, 99, [1, 2**63]) == -1  # past int64: pickled instead
         assert ring.post_task(1, 0, 7, 99, [1, 2.0]) == -1
@@ -92,11 +93,11 @@ def test_a_worker_yields_for_a_task_before_it_sleeps_and_yields_less_after_each_
             return real(buffer, sem, bound)
 
         monkeypatch.setattr(_ring._native, "yield_wait", post_then_yield)
-        assert worker.take_task(5.0) == (2, 7, 41, [3, 4, 5])  # taken by the yields, then read at once
+        assert worker.take_task(5.0) == (2, 7, 41, [3, 4, 5], False)  # taken by the yields, then read at once
         assert seen == [4] and worker.yields.bound == 64  # a task that came while yielding restores the bound
         monkeypatch.setattr(_ring._native, "yield_wait", real)
         assert ring.post_task(1, 0, 7, 42, [6]) == 1
-        assert worker.take_task(5.0) == (0, 7, 42, [6])  # queued already: no yields at all
+        assert worker.take_task(5.0) == (0, 7, 42, [6], False)  # queued already: no yields at all
         assert worker.yields.bound == 64
         assert worker.take_task(0.0) is None and worker.yields.bound == 64  # timeout 0 never yields
     finally:
