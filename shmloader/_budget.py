@@ -39,6 +39,7 @@ def plan_ring(
     batch_bytes: int | None,
     slot_bytes: int | None,
     memory_budget: int | None,
+    in_use: int = 0,
 ) -> RingGeometry:
     """The ring for these settings.
 
@@ -49,6 +50,8 @@ def plan_ring(
     budget the whole segment stays within it, and where possible leaves room beside it for
     one batch of that size to take the overflow path: fewer slots first (down to one per
     worker), then no room for overflow; if even that does not fit, MemoryBudgetError.
+    ``in_use``: the loader's shared memory already mapped (other rings, overflow memory), which
+    the budget holds too.
     """
     assert slot_bytes is not None or batch_bytes is not None
     size = round_up(slot_bytes, PAGE) if slot_bytes is not None else slot_data_bytes(batch_bytes or 0)
@@ -58,14 +61,18 @@ def plan_ring(
     for room in (size, 0):
         for slots in range(wanted, num_workers - 1, -1):
             g = RingGeometry(num_workers, slots, size)
-            if g.total_bytes + room <= memory_budget:
+            if in_use + g.total_bytes + room <= memory_budget:
                 return g
     smallest = RingGeometry(num_workers, num_workers, size).total_bytes
     what = f"a slot of {size:,} bytes" + (
         f" (batches measure {batch_bytes:,} bytes)" if slot_bytes is None else " (slot_bytes)"
     )
+    held = ""
+    if in_use:
+        held = (f" beside the {in_use:,} bytes this loader already holds (batches kept from an earlier epoch, "
+                "another live iterator of it, or overflow memory): drop those first, or")
     raise MemoryBudgetError(
-        f"memory_budget={memory_budget:,} bytes cannot hold one slot per worker: {num_workers} "
+        f"memory_budget={memory_budget:,} bytes cannot hold one slot per worker{held}: {num_workers} "
         f"worker(s) with {what} need a ring of at least {smallest:,} bytes. Raise memory_budget, "
         "lower num_workers, or use smaller batches."
     )

@@ -40,7 +40,7 @@ from ._errors import CorruptSlotError, StopCarrier, raise_worker_error
 from ._layout import Field, Status
 from ._lease import leaves_of, read_pickled, slot_of
 from ._lifecycle import Lifecycle, live
-from ._overflow import OverflowArena, OverflowBroker
+from ._overflow import OverflowBroker
 from ._produce import worker_configs
 from ._ring import Ring
 from ._slots import Scheduler, Step
@@ -85,7 +85,7 @@ class RingIterator(_BaseDataLoaderIter):
         self._fatal: BaseException | None = None  # what stopped the workers before the epoch ended
         cap = self._num_workers * self._prefetch_factor  # torch's bound on tasks; memory_budget may give fewer slots
         self._sched = Scheduler(cap, self._num_workers, cap, in_order=loader.in_order)
-        self._broker = OverflowBroker(OverflowArena(), self._memory_budget, loader.in_order, self._loader)
+        self._broker = OverflowBroker(loader._shm_memory, self._memory_budget, loader.in_order, self._loader)
         self._delivery = Delivery(self._sched, self._broker, self._counters, self._iterable)
         resume: _checkpoint.IterableResume | None = loader._shm_resume_iterable
         configs = worker_configs(self, loader.worker_init_fn, int(self._base_seed), PARENT_CHECK_S,

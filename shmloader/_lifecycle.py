@@ -25,7 +25,7 @@ from ._delivery import Delivery
 from ._dispatch import as_list, post
 from ._errors import ShmLoaderError, WorkerDiedError, raise_worker_error
 from ._layout import RESIZE_TASK, RingGeometry, Status
-from ._overflow import OverflowBroker
+from ._overflow import OverflowBroker, RingShare
 from ._pool import WorkerPool
 from ._ring import Doorbell, Ring
 from ._slots import Scheduler
@@ -47,12 +47,16 @@ def _stop_at_exit() -> None:
         it._shutdown_workers()
 
 
-def _room_freed(broker: weakref.ref[OverflowBroker], doorbell: Doorbell) -> None:
-    """Overflow memory was freed (from any thread: the one that dropped the batch): a grant
-    that waits for room in memory_budget may go now, so an async for waiting is woken."""
+def _room_freed(broker: weakref.ref[OverflowBroker], doorbell: Doorbell) -> bool:
+    """The loader's shared memory shrank (from any thread: the one that dropped a batch): a
+    grant of this iterator that waits for room in memory_budget may go now, so an async for
+    waiting is woken. False once the iterator is gone."""
     waiting = broker()
-    if waiting is not None and waiting.awaiting_room:
+    if waiting is None:
+        return False
+    if waiting.awaiting_room:
         doorbell.ring()  # (a no-op once shut down: the bell is closed)
+    return True
 
 
 class Lifecycle:
@@ -68,7 +72,8 @@ class Lifecycle:
         except BaseException:
             self.doorbell.close()
             raise
-        broker.arena.on_free = functools.partial(_room_freed, weakref.ref(broker), self.doorbell)
+        broker.memory.listeners.append(functools.partial(_room_freed, weakref.ref(broker), self.doorbell))
+        self.share: RingShare | None = None  # the ring's bytes in the loader's memory
         self.ring: Ring | None = None
         self.pinned = False  # the ring is page-locked (pin_memory=True or device= on CUDA)
         self.started = False  # the ring exists and every worker has attached to it once
@@ -110,7 +115,10 @@ class Lifecycle:
                 probe = (wid, seq, index)
         if slot_bytes is not None and first is not None:  # slot_bytes= is a hint: a ring grown past it stays grown
             slot_bytes = max(slot_bytes, first)
-        geometry = plan_ring(sched.num_workers, prefetch_factor, first, slot_bytes, budget)
+        # Under memory_budget, what the loader's other memory leaves (rings kept by held batches
+        # of earlier epochs, other live iterators, overflow memory).
+        geometry = plan_ring(sched.num_workers, prefetch_factor, first, slot_bytes, budget,
+                             self.broker.memory.in_use)
         ring = Ring(geometry)
         if device is not None:
             self.delivery.make_stager(device, device_prefetch)
@@ -176,8 +184,9 @@ class Lifecycle:
 
     def _use(self, ring: Ring) -> None:
         """``ring`` is the iterator's from here on: the scheduler's table (resized, all FREE) and
-        delivery's leases follow it in this one step."""
+        delivery's leases follow it in this one step, and the loader's memory counts it."""
         self.ring = ring
+        self.share = self.broker.memory.map_ring(ring.mm, ring.geometry.total_bytes)
         self.sched.resize(ring.geometry.num_slots)
         self.sched.attach(ring.mm, ring.header_offsets, ring.data_offsets, ring.data_bytes, ring.queue_offsets,
                           ring.queue_len, tuple(ring.task_sems), ring.ready_sem, ring.tails)
@@ -199,7 +208,10 @@ class Lifecycle:
         held = og.control_bytes + len(keep) * og.slot_stride if keep else 0
         # Under memory_budget, only with room left beside it for a batch of that size to
         # overflow: a grown ring that fills the budget would make the next larger batch an error.
-        if budget is not None and g.total_bytes + size + held + broker.arena.in_use > budget:
+        # (The old ring counts what it will keep: its held slots.)
+        old_share = self.share
+        others = broker.memory.in_use - (old_share.nbytes if old_share is not None else 0)
+        if budget is not None and g.total_bytes + size + held + others > budget:
             broker.growth_declined = True
             return
         ring = Ring(g)
@@ -222,8 +234,8 @@ class Lifecycle:
         finally:
             old.give_back(keep)  # (drained: no task is in flight; the workers' next is to attach)
             old.close()
-            if held:
-                broker.arena.retire(old.mm, held)
+            if old_share is not None:
+                old_share.resize(held)  # counted until the batches viewing it are gone
             self.counters.ring_growths += 1
         yield from self.await_attached(check)
 
@@ -312,7 +324,9 @@ class Lifecycle:
                 stager.stream.synchronize()  # no DMA may outlive the mapping it reads
             self.pool.stop(self.ring)
             if self.ring is not None:  # nobody writes it now: what nobody holds goes back
-                self.ring.give_back(self.delivery.kept())
+                kept = self.ring.give_back(self.delivery.kept())
+                if self.share is not None:
+                    self.share.resize(kept)
         finally:
             if self.ring is not None:
                 self.ring.close()

@@ -17,6 +17,7 @@ import torch.utils.data
 from . import _checkpoint, _device
 from ._budget import parse_size
 from ._consume import RingIterator
+from ._overflow import LoaderMemory
 from ._stats import Counters, LoaderStats
 
 
@@ -42,6 +43,7 @@ def attach_options(loader: Any, *, slot_bytes: int | None = None, device: str | 
     loader.max_worker_restarts = max_worker_restarts
     loader._shm_memory_budget = None if memory_budget is None else parse_size(memory_budget)
     loader._shm_counters = Counters()
+    loader._shm_memory = LoaderMemory()  # every byte of shared memory the loader's iterators map
     loader.device = device
     loader.device_prefetch = device_prefetch
     loader._shm_device = _device.parse_device(device, loader.num_workers)

@@ -19,11 +19,12 @@ The path of an oversized batch:
 The memory never has a name: nothing can be left in ``/dev/shm``, whichever process dies
 at whichever step; the kernel frees it with the last mapping and fd.
 
-``OverflowArena`` owns the accounting: bytes granted and not yet freed, plus retired
-rings that the user's batches still view, so ``memory_budget`` covers everything the
-loader allocates. Release callbacks may run in any thread. ``OverflowBroker`` owns the
-policy: which waiting worker gets memory when, the grants of the tasks in flight, and the
-slot size the ring should grow to.
+``LoaderMemory`` (one per loader) counts every byte of shared memory the loader has mapped:
+the rings of all its iterators (those batches kept from earlier epochs still view, at the size
+they kept) and the overflow memory granted and not yet freed, so ``memory_budget`` covers
+everything the loader allocates. Release callbacks may run in any thread. ``OverflowBroker``
+owns one iterator's policy: which waiting worker gets memory when, the grants of its tasks in
+flight, and the slot size its ring should grow to.
 """
 
 from __future__ import annotations
@@ -46,20 +47,33 @@ from ._shm import Mapping
 from ._slots import Scheduler, SlotState
 
 
-class OverflowArena:
+class LoaderMemory:
+    """Every byte of shared memory a loader has mapped, whichever of its iterators mapped it:
+    its rings (the live ones, and those that batches kept from earlier epochs or growths still
+    view, at the size they kept) and overflow memory granted and not yet freed. One per loader
+    (``memory_budget`` bounds ``in_use``). Callbacks may run in any thread (a batch's last
+    view dropped there frees its memory): the counts are kept under a lock."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.live = 0  # bytes of overflow memory granted and not yet freed
-        self.retired = 0  # bytes of replaced rings that batches still view
-        self.on_free: Any = None  # called (any thread) after memory was freed
+        self.overflow = 0  # bytes of overflow memory granted and not yet freed
+        self.rings = 0  # bytes of this loader's rings still mapped (each at the size it keeps)
+        # Called after memory was freed (any thread): an iterator waiting for room wakes. Each
+        # returns False once its iterator is gone (then it is dropped).
+        self.listeners: list[Callable[[], bool]] = []
 
     @property
     def in_use(self) -> int:
-        return self.live + self.retired
+        return self.overflow + self.rings
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """A loader pickled or copied (ddp_spawn, deepcopy) starts with none: mappings are a
+        process's own."""
+        return (LoaderMemory, ())
 
     def allocate(self, nbytes: int) -> tuple[int, Mapping]:
-        """A new anonymous shared region of ``nbytes``: (fd, mapping). The caller sends the fd
-        and closes it; the mapping is the consumer's."""
+        """A new anonymous shared region of ``nbytes`` for an overflow batch: (fd, mapping). The
+        caller sends the fd and closes it; the mapping is the consumer's."""
         fd = os.memfd_create("shmloader-overflow", os.MFD_CLOEXEC)
         try:
             try:
@@ -78,30 +92,46 @@ class OverflowArena:
             os.close(fd)
             raise
         with self._lock:
-            self.live += nbytes
+            self.overflow += nbytes
         return fd, mm
 
     def free(self, nbytes: int) -> None:
         with self._lock:
-            self.live -= nbytes
-        if self.on_free is not None:
-            self.on_free()
+            self.overflow -= nbytes
+        self._freed()
 
     def lend(self, base: np.ndarray[Any, Any], nbytes: int) -> None:
         """Free ``nbytes`` once ``base`` (which every leaf of a delivered batch keeps alive) dies."""
         weakref.finalize(base, self.free, nbytes)
 
-    def retire(self, mm: mmap.mmap, nbytes: int) -> None:
-        """Count a replaced ring until its mapping (kept alive by the user's views) is freed."""
+    def map_ring(self, mm: mmap.mmap, nbytes: int) -> RingShare:
+        """Count a ring of ``nbytes`` until its mapping is gone (the last batch viewing it)."""
+        share = RingShare(self, nbytes)
         with self._lock:
-            self.retired += nbytes
-        weakref.finalize(mm, self._unretire, nbytes)
+            self.rings += nbytes
+        weakref.finalize(mm, share.resize, 0)
+        return share
 
-    def _unretire(self, nbytes: int) -> None:
+    def _resize(self, share: RingShare, nbytes: int) -> None:
         with self._lock:
-            self.retired -= nbytes
-        if self.on_free is not None:
-            self.on_free()
+            self.rings += nbytes - share.nbytes
+            share.nbytes = nbytes
+        self._freed()
+
+    def _freed(self) -> None:
+        self.listeners = [listener for listener in self.listeners if listener()]
+
+
+class RingShare:
+    """A ring's bytes in its loader's ``LoaderMemory``: all of them while it runs, those it keeps
+    once the memory nobody holds went back (``Ring.give_back``), none once it is unmapped."""
+
+    def __init__(self, memory: LoaderMemory, nbytes: int) -> None:
+        self.memory = memory
+        self.nbytes = nbytes
+
+    def resize(self, nbytes: int) -> None:
+        self.memory._resize(self, nbytes)
 
 
 class OverflowBroker:
@@ -112,8 +142,8 @@ class OverflowBroker:
     arena frees it when the batch's last view dies) or dropped with its task (``drop``: stale
     epoch, dead worker, error), exactly once."""
 
-    def __init__(self, arena: OverflowArena, budget: int | None, in_order: bool, loader: weakref.ref[Any]) -> None:
-        self.arena = arena
+    def __init__(self, memory: LoaderMemory, budget: int | None, in_order: bool, loader: weakref.ref[Any]) -> None:
+        self.memory = memory
         self.budget = budget
         self.in_order = in_order
         self._loader = loader  # (weakly: an iterator never keeps its loader alive)
@@ -136,13 +166,13 @@ class OverflowBroker:
     def take(self, slot: int, base: np.ndarray[Any, Any]) -> None:
         """The batch of ``slot`` was delivered from its grant: the memory is freed once ``base``
         (which every view of the batch keeps alive) dies."""
-        self.arena.lend(base, self.grants.pop(slot)[1])
+        self.memory.lend(base, self.grants.pop(slot)[1])
 
     def drop(self, slot: int) -> None:
         """``slot``'s task is gone undelivered: its grant, if any, is freed."""
         granted = self.grants.pop(slot, None)
         if granted is not None:
-            self.arena.free(granted[1])
+            self.memory.free(granted[1])
 
     def new_epoch(self, sched: Scheduler) -> None:
         """Results the new epoch dropped (their slots FREE) give their grants back."""
@@ -198,7 +228,7 @@ class OverflowBroker:
             if not room:
                 self.awaiting_room = True
                 return
-            fd, mm = self.arena.allocate(size)
+            fd, mm = self.memory.allocate(size)
             try:
                 if pinned:
                     _device.register_host(mm, size)
@@ -235,7 +265,7 @@ class OverflowBroker:
                 f"ring ({g.total_bytes:,} bytes: {g.num_slots} slots of {g.data_bytes:,}). Raise "
                 f"memory_budget to at least {g.total_bytes + size:,}, or use smaller batches."
             )
-        if g.total_bytes + self.arena.in_use + size <= budget:
+        if self.memory.in_use + size <= budget:  # (in_use counts this ring, and every other of the loader's)
             return True
         if self.in_order:
             wanted_next = seq == sched.rcvd_seq

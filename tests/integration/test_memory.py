@@ -7,6 +7,7 @@ here: these tests check where the bytes are (``/proc/self/maps``, the pages them
 from __future__ import annotations
 
 import gc
+import os
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ import torch.utils.data as tud
 
 import shmloader
 from tests.conftest import same
-from tests.datasets import Blocks, check_blocks
+from tests.datasets import Blocks, Sized, check_blocks
 from tests.integration.test_overflow import mapped_by_us
 
 
@@ -59,3 +60,111 @@ def test_a_ring_outlived_by_a_held_batch_keeps_only_that_batchs_slot(persistent:
     view = ring.bytes[g.data_offset(other) : g.data_offset(other) + 64]
     assert not view.any()  # another slot's pages were removed: the segment reads zeros there
     del kept, view, it, loader
+
+
+def allocated_by_us() -> int:
+    """Bytes allocated in every distinct shared file of shmloader's this process maps (its rings
+    and overflow memory), read from the files themselves (``/proc/self/map_files``): memory a
+    ring gave back no longer counts, whatever the mapping's extent."""
+    files: dict[tuple[int, int], int] = {}
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            parts = line.split()
+            if len(parts) < 6 or "shmloader" not in parts[5] or not parts[5].startswith(("/dev/shm/", "/memfd:")):
+                continue
+            try:
+                st = os.stat(f"/proc/self/map_files/{parts[0]}")
+            except PermissionError:
+                pytest.skip("reading /proc/self/map_files needs CAP_SYS_ADMIN")
+            except FileNotFoundError:
+                continue  # unmapped meanwhile
+            files[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+    return sum(files.values())
+
+
+class Budgeted:
+    """Every batch of a loop checked against torch's, and the loader's shared memory against
+    its budget after each one."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.peak = 0
+
+    def look(self) -> None:
+        used = allocated_by_us()
+        self.peak = max(self.peak, used)
+        assert used <= self.budget, (used, self.budget)
+
+
+SIZES = [8] * 4 + [6000] * 8 + [300] * 36  # a growth, then batches that fit the grown slots
+BUDGET = 700_000
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_the_budget_holds_with_two_live_iterators(in_order: bool) -> None:
+    want = [b.clone() for b in tud.DataLoader(Blocks(48, words=2000), batch_size=4)]
+    loader = shmloader.DataLoader(Blocks(48, words=2000), batch_size=4, num_workers=2, memory_budget=BUDGET,
+                                  in_order=in_order)
+    watch = Budgeted(BUDGET)
+    first, second = iter(loader), iter(loader)
+    got: list[list[Any]] = [[], []]
+    for _ in range(len(want)):
+        for k, it in enumerate((first, second)):
+            got[k].append(next(it))
+            watch.look()
+    for k in range(2):
+        assert sorted(map(bytes_of, got[k])) == sorted(map(bytes_of, want))
+        if in_order:
+            for batch, expected in zip(got[k], want):
+                same(batch, expected)
+    first._shutdown_workers()
+    second._shutdown_workers()
+
+
+def bytes_of(t: torch.Tensor) -> bytes:
+    return t.numpy().tobytes()
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_the_budget_holds_with_batches_kept_across_epochs(in_order: bool) -> None:
+    # Non-persistent epochs, each leaving batches held: the rings they keep alive count, and the
+    # next epoch's ring is planned in what they leave.
+    # (The budget holds about a ring and three quarters: by the third epoch the rings the held
+    # batches keep leave room for a ring of fewer slots.)
+    budget = 330_000
+    want = [b.clone() for b in tud.DataLoader(Blocks(48, words=2000), batch_size=4)]
+    loader = shmloader.DataLoader(Blocks(48, words=2000), batch_size=4, num_workers=2, memory_budget=budget,
+                                  in_order=in_order)
+    watch = Budgeted(budget)
+    kept: list[torch.Tensor] = []
+    for epoch in range(3):
+        got = []
+        for batch in loader:
+            got.append(batch.clone())
+            watch.look()
+            if len(got) in (3, 11):
+                kept.append(batch)  # held past the epoch's end
+        assert sorted(map(bytes_of, got)) == sorted(map(bytes_of, want))
+    assert len(kept) == 6 and all(bytes_of(k) in {bytes_of(w) for w in want} for k in kept)
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_the_budget_holds_when_the_loop_holds_everything(in_order: bool) -> None:
+    # A replay buffer under a budget: batches in memory of their own while there is room, then a
+    # counted copy when only the batches held could make room; never a hang, never past the budget.
+    sizes = [4] * 4 + [1000] * 60
+    want = [b.clone() for b in tud.DataLoader(Sized(sizes), batch_size=4)]
+    budget = 400_000
+    loader = shmloader.DataLoader(Sized(sizes), batch_size=4, num_workers=2, memory_budget=budget,
+                                  in_order=in_order)
+    watch = Budgeted(budget)
+    held = []
+    for batch in loader:
+        held.append(batch)
+        watch.look()
+    if in_order:
+        same(held, want)
+    else:
+        assert sorted(map(bytes_of, held)) == sorted(map(bytes_of, want))
+    stats = loader.stats()
+    assert stats.copies >= 1 and stats.overflow_batches >= 1
