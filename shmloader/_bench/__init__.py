@@ -4,6 +4,7 @@ installed), side by side in one run, on transport-bound and real workloads.
     shmloader bench --quick                       # what `make bench` runs (< 3 min on 2 cores)
     shmloader bench --workloads tiny,jpeg --loaders torch,shmloader --json out.json --plot out.png
     shmloader bench --rounds 3 --report           # on a noisy machine: loaders alternated, ratios paired
+    shmloader bench --memory --rounds 3           # peak memory, workers stopped after each epoch and persistent
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any
+import warnings
+from typing import Any, Callable
 
 import torch
 
-from .loaders import LOADERS
-from .measure import Result, measure
-from .workloads import CACHE, WORKLOADS
+from .loaders import LOADERS, Loader
+from .measure import MemoryResult, Result, measure, peak_memory
+from .workloads import CACHE, WORKLOADS, Workload
 
 
 def parser() -> argparse.ArgumentParser:
@@ -39,6 +41,9 @@ def parser() -> argparse.ArgumentParser:
                    help="run every loader this many times, alternated (each round starts with another loader); "
                         "ratios to torch are then the median of each round's own ratio")
     p.add_argument("--quick", action="store_true", help="small settings: what `make bench` runs")
+    p.add_argument("--memory", action="store_true",
+                   help="measure peak memory instead of speed: two epochs, workers stopped after each "
+                        "(torch's default) and persistent")
     p.add_argument("--memory-budget", default=None, help="pass memory_budget= to shmloader and check its memory")
     p.add_argument("--step-ms", type=float, default=0.0, help="simulated training step per batch (CPU spin)")
     p.add_argument("--report", action="store_true", help="print shmloader's loader-bound share and advice")
@@ -66,57 +71,105 @@ def _progress(total: int) -> Any:
 
 
 def run(args: argparse.Namespace) -> tuple[list[Result], list[str]]:
-    workloads = [WORKLOADS[w] for w in _names(args.workloads, WORKLOADS, "workload")]
-    wanted = [LOADERS[n] for n in _names(args.loaders, LOADERS, "loader")]
-    notes = []
-    loaders = []
-    for ld in wanted:
-        if ld.available():
-            loaders.append(ld)
-        else:
-            notes.append(f"{ld.name}: skipped, not installed (pip install {ld.pip}, or pip install 'shmloader[bench]')")
+    workloads, loaders, notes = _selected(args)
     repeats = 2 if args.quick and args.repeats == 3 else args.repeats
     rounds = args.rounds
     bar = _progress(len(workloads) * len(loaders) * rounds)
     results: list[Result] = []
     for w in workloads:
         batches = args.batches or (w.quick_batches if args.quick else w.batches)
-        n = (batches if w.epochs else batches * repeats + 8) * w.batch_size
-        dataset = w.make(args.cache, args.quick, args.data, n)
-        extra: dict[str, Any] = {}
-        if w.collate_fn is not None:
-            extra["collate_fn"] = w.collate_fn
-        if w.epochs:
-            extra.update(shuffle=True, persistent_workers=True)
+        dataset = w.make(args.cache, args.quick, args.data, (batches if w.epochs else batches * repeats + 8) * w.batch_size)
         runs: dict[str, dict[int, Result]] = {ld.name: {} for ld in loaders}  # loader -> round -> result
-        for r in range(rounds):
-            # A noisy machine drifts between runs minutes apart: alternating the loaders, and
-            # rotating which goes first, pairs each loader's run with torch's of the same round.
-            for ld in loaders[r % len(loaders):] + loaders[: r % len(loaders)]:
-                if bar is not None:
-                    bar.set_description(f"{w.name} / {ld.name}" + (f" / round {r + 1}" if rounds > 1 else ""))
-                budget = args.memory_budget if ld.name == "shmloader" else None
+        for r, ld in _alternated(loaders, rounds):
+            if bar is not None:
+                bar.set_description(f"{w.name} / {ld.name}" + (f" / round {r + 1}" if rounds > 1 else ""))
+            budget = args.memory_budget if ld.name == "shmloader" else None
+            make = _maker(args, w, ld, dataset, budget, persistent_workers=True if w.epochs else None)
+            try:
+                res = measure(w.name, ld.name, make, batches, repeats, args.step_ms / 1e3, epochs=w.epochs, hold=w.hold)
+            except Exception as exc:  # a peer that cannot run this workload is reported, not fatal
+                notes.append(f"{w.name} / {ld.name}: failed: {type(exc).__name__}: {exc}")
+            else:
+                if budget is not None:
+                    from .._budget import parse_size
 
-                def make(ld: Any = ld, budget: Any = budget) -> Any:
-                    seeded = {"generator": torch.Generator().manual_seed(0)} if w.epochs else {}
-                    return ld.make(dataset, w.batch_size, args.num_workers, args.prefetch_factor, budget, **extra, **seeded)
-
-                try:
-                    res = measure(w.name, ld.name, make, batches, repeats, args.step_ms / 1e3, epochs=w.epochs)
-                except Exception as exc:  # a peer that cannot run this workload is reported, not fatal
-                    notes.append(f"{w.name} / {ld.name}: failed: {type(exc).__name__}: {exc}")
-                else:
-                    if budget is not None:
-                        from .._budget import parse_size
-
-                        res.within_budget = res.loader_mb * 2**20 <= parse_size(budget)
-                    runs[ld.name][r] = res
-                if bar is not None:
-                    bar.update()
+                    res.within_budget = res.loader_mb * 2**20 <= parse_size(budget)
+                runs[ld.name][r] = res
+            if bar is not None:
+                bar.update()
         results.extend(_merge(own, runs.get("torch", {})) for own in runs.values() if own)
     if bar is not None:
         bar.close()
     return results, notes
+
+
+def run_memory(args: argparse.Namespace) -> tuple[list[MemoryResult], list[str]]:
+    """``--memory``: each loader's peak over two epochs of ``batches`` batches, with torch's
+    default (workers stopped after each epoch) and with persistent workers."""
+    workloads, loaders, notes = _selected(args)
+    rounds = args.rounds
+    bar = _progress(len(workloads) * len(loaders) * rounds * 2)
+    results: list[MemoryResult] = []
+    for w in workloads:
+        batches = args.batches or (w.quick_batches if args.quick else w.batches)
+        dataset = w.make(args.cache, args.quick, args.data, batches * w.batch_size)
+        for persistent in (False, True):
+            peaks: dict[str, dict[int, float]] = {ld.name: {} for ld in loaders}  # loader -> round -> MiB
+            for r, ld in _alternated(loaders, rounds):
+                if bar is not None:
+                    bar.set_description(f"{w.name} / {ld.name} / persistent={persistent}")
+                budget = args.memory_budget if ld.name == "shmloader" else None
+                try:
+                    peaks[ld.name][r] = peak_memory(_maker(args, w, ld, dataset, budget, persistent), 2, w.hold)
+                except Exception as exc:
+                    notes.append(f"{w.name} / {ld.name}: failed: {type(exc).__name__}: {exc}")
+                if bar is not None:
+                    bar.update()
+            base = peaks.get("torch", {})
+            for name, own in peaks.items():
+                if own:
+                    paired = [mb / base[k] for k, mb in own.items() if base.get(k)]
+                    results.append(MemoryResult(w.name, name, persistent, statistics.median(own.values()),
+                                                [own[k] for k in sorted(own)],
+                                                statistics.median(paired) if paired else None))
+    if bar is not None:
+        bar.close()
+    return results, notes
+
+
+def _selected(args: argparse.Namespace) -> tuple[list[Workload], list[Loader], list[str]]:
+    """The workloads and the installed loaders asked for, and a note for each one missing."""
+    workloads = [WORKLOADS[w] for w in _names(args.workloads, WORKLOADS, "workload")]
+    notes, loaders = [], []
+    for ld in (LOADERS[n] for n in _names(args.loaders, LOADERS, "loader")):
+        if ld.available():
+            loaders.append(ld)
+        else:
+            notes.append(f"{ld.name}: skipped, not installed (pip install {ld.pip}, or pip install 'shmloader[bench]')")
+    return workloads, loaders, notes
+
+
+def _alternated(loaders: list[Loader], rounds: int) -> list[tuple[int, Loader]]:
+    """A noisy machine drifts between runs minutes apart: alternating the loaders, and rotating
+    which goes first, pairs each loader's run with torch's of the same round."""
+    return [(r, ld) for r in range(rounds) for ld in loaders[r % len(loaders):] + loaders[: r % len(loaders)]]
+
+
+def _maker(args: argparse.Namespace, w: Workload, ld: Loader, dataset: Any, budget: str | None,
+           persistent_workers: bool | None) -> Callable[[], Any]:
+    extra: dict[str, Any] = {}
+    if w.collate_fn is not None:
+        extra["collate_fn"] = w.collate_fn
+    if w.epochs:
+        extra["shuffle"] = True
+    if persistent_workers is not None:
+        extra["persistent_workers"] = persistent_workers
+
+    def make() -> Any:
+        seeded = {"generator": torch.Generator().manual_seed(0)} if w.epochs else {}
+        return ld.make(dataset, w.batch_size, args.num_workers, args.prefetch_factor, budget, **extra, **seeded)
+
+    return make
 
 
 def _merge(by_round: dict[int, Result], torch_by_round: dict[int, Result]) -> Result:
@@ -169,6 +222,16 @@ def table(results: list[Result]) -> str:
     return "\n".join(rows + notes)
 
 
+def memory_table(results: list[MemoryResult]) -> str:
+    rows = ["| workload | loader | persistent_workers | peak MiB above baseline (median; each round) | vs torch |",
+            "|" + "---|" * 5]
+    for r in results:
+        ratio = "" if r.ratio_to_torch is None else f"{r.ratio_to_torch:.2f}x"
+        rounds = ", ".join(f"{mb:,.0f}" for mb in r.round_mb)
+        rows.append(f"| {r.workload} | {r.loader} | {r.persistent_workers} | {r.peak_mb:,.0f} ({rounds}) | {ratio} |")
+    return "\n".join(rows)
+
+
 def report(results: list[Result]) -> str:
     """shmloader's ``stats().advice`` per workload (what the README's stats section explains)."""
     return "\n".join(f"{r.workload}: {r.advice}" for r in results if r.advice is not None)
@@ -216,21 +279,34 @@ def plot(results: list[Result], path: pathlib.Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     meta = metadata(args)
-    results, notes = run(args)
+    results: list[Result] = []
+    peaks: list[MemoryResult] = []
+    with warnings.catch_warnings():
+        # Here torch's loader reads the dataset shmloader's did on purpose: side by side.
+        warnings.filterwarnings("ignore", "a torch DataLoader over the dataset of a shmloader.DataLoader", UserWarning)
+        if args.memory:
+            peaks, notes = run_memory(args)
+        else:
+            results, notes = run(args)
     print(f"# {meta['date']} | {meta['machine']} | Python {meta['python']} | "
           + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()))
     print(f"# num_workers={args.num_workers} prefetch_factor={args.prefetch_factor}"
           + (f" memory_budget={args.memory_budget}" if args.memory_budget else "")
           + (f" step={args.step_ms} ms" if args.step_ms else "")
           + (f" rounds={args.rounds} (alternated; vs torch: the median of each round's ratio)" if args.rounds > 1 else ""))
-    print(table(results))
+    if args.memory:
+        print("# peak of the process tree's private PSS plus the system's shared-memory growth, above the "
+              "baseline before the loader existed, over two epochs")
+        print(memory_table(peaks))
+    else:
+        print(table(results))
     for note in notes:
         print(f"- {note}")
-    if args.report:
+    if args.report and results:
         print(report(results))
     if args.json is not None:
-        args.json.write_text(json.dumps({"meta": meta, "notes": notes,
-                                         "results": [dataclasses.asdict(r) for r in results]}, indent=2))
-    if args.plot is not None:
+        rows = [dataclasses.asdict(r) for r in (peaks if args.memory else results)]
+        args.json.write_text(json.dumps({"meta": meta, "notes": notes, "results": rows}, indent=2))
+    if args.plot is not None and results:
         plot(results, args.plot)
     return 0

@@ -13,6 +13,7 @@ PSS (measured: 18 MB of PSS for 92 MB of segments on the image workload).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import statistics
 import threading
@@ -162,6 +163,39 @@ class Result:
     round_rates: list[float] | None = None  # with --rounds: each round's median batches/s, in round order
 
 
+@dataclasses.dataclass
+class MemoryResult:
+    workload: str
+    loader: str
+    persistent_workers: bool
+    peak_mb: float  # the median over rounds of the peak above the baseline (``peak_memory``)
+    round_mb: list[float]  # each round's, in round order
+    ratio_to_torch: float | None  # the median of each round's ratio to torch's peak (None without torch)
+
+
+def peak_memory(make: Callable[[], Any], epochs: int, hold: bool) -> float:
+    """MiB of the peak, above the baseline just before the loader existed, of the process tree's
+    private PSS plus the system's shared-memory growth, while ``epochs`` epochs run (the loop
+    keeps every batch with ``hold``; else it drops each at once). The tree's PSS is read every
+    10 batches as well as by the sampling thread, so a short run's workers count."""
+    gc.collect()
+    baseline = pss_bytes(_tree(os.getpid()), shared=False)
+    memory = PeakMemory(interval=0.01, pss_interval=0.5)
+    loader = make()
+    kept = []
+    for _ in range(epochs):
+        for i, batch in enumerate(loader):
+            if hold:
+                kept.append(batch)
+            memory.sample(pss=i % 10 == 0)
+            del batch
+        memory.sample()
+    peak = memory.stop()
+    del kept
+    _close(loader)
+    return (peak - baseline) / 2**20
+
+
 def measure(
     workload: str,
     loader_name: str,
@@ -170,9 +204,11 @@ def measure(
     repeats: int,
     step_s: float = 0.0,
     epochs: bool = False,
+    hold: bool = False,
 ) -> Result:
     """Time ``repeats`` runs of ``batches`` batches of one loader: one epoch holds them all,
-    or with ``epochs`` each run is one epoch (after a first, unmeasured one)."""
+    or with ``epochs`` each run is one epoch (after a first, unmeasured one). With ``hold``
+    the loop keeps every batch of a run until the run ends."""
     baseline = pss_bytes([os.getpid()], shared=False)
     memory = PeakMemory()
     start = time.perf_counter()
@@ -193,13 +229,17 @@ def measure(
     for _ in range(repeats):
         if epochs:
             it = iter(loader)
+        kept = []
         t = time.perf_counter()
         for _ in range(batches):
             batch = next(it)
             if step_s:
                 _spin(step_s)
+            if hold:
+                kept.append(batch)
             del batch
         rates.append(batches / (time.perf_counter() - t))
+        del kept
     cpu = (cpu_seconds(pids) - cpu0) / (batches * repeats)
     memory.sample()  # before the loader stops
     stats = loader.stats() if hasattr(loader, "stats") else None

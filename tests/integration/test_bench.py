@@ -47,6 +47,22 @@ def test_bench_runs_side_by_side(tmp_path: pathlib.Path, capsys: pytest.CaptureF
     assert data["meta"]["versions"]["torch"]
 
 
+def test_bench_memory_both_worker_modes(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "m.json"
+    assert cli.main(["bench", "--memory", "--workloads", "hold", "--loaders", "torch,shmloader", "--batches", "4",
+                     "--rounds", "2", "--cache", str(tmp_path), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| hold | shmloader | False |" in text and "| hold | torch | True |" in text
+    data = json.loads(out.read_text())
+    assert data["notes"] == []
+    rows = {(r["loader"], r["persistent_workers"]): r for r in data["results"]}
+    assert set(rows) == {(name, p) for name in ("torch", "shmloader") for p in (False, True)}
+    for (name, _), r in rows.items():
+        assert len(r["round_mb"]) == 2 and r["peak_mb"] > 0
+        if name == "torch":
+            assert r["ratio_to_torch"] == 1.0
+
+
 @pytest.mark.skipif(importlib.util.find_spec("PIL") is None, reason="the jpeg workload needs Pillow (bench extra)")
 def test_jpeg_workload_makes_its_files_once(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = ["bench", "--quick", "--workloads", "jpeg", "--loaders", "shmloader", "--batches", "2",
@@ -93,7 +109,7 @@ def test_rounds_alternate_loaders_and_pair_ratios(tmp_path: pathlib.Path, monkey
     rates = {"torch": [100.0, 300.0, 120.0], "shmloader": [1000.0, 1800.0, 1440.0]}
 
     def fake_measure(workload: str, loader: str, make: object, batches: int, repeats: int,
-                     step_s: float, epochs: bool = False) -> Result:
+                     step_s: float, epochs: bool = False, hold: bool = False) -> Result:
         order.append((workload, loader))
         rate = rates[loader][sum(1 for w, ld in order if ld == loader) - 1]
         return Result(workload, loader, rate, rate / 2, rate * 2, 0.0, 0.1, 1.0,
