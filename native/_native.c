@@ -270,13 +270,15 @@ static PyObject *decode_table(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(read_slot_doc,
-"read_slot($module, ring, header, memory, data, cap, lone, /)\n"
+"read_slot($module, ring, header, described, at, room, memory, data, cap, lone, /)\n"
 "--\n\n"
 "A published slot's leaves. The leaf table and pickled skeleton that the header at\n"
-"`ring[header:]` (int64 fields) names must lie inside the `cap`-byte data\n"
-"region at `memory[data:]` (the ring itself, or the batch's overflow mapping). Returns\n"
-"(leaves, lone): the decoded table (as decode_table) and whether the skeleton is exactly\n"
-"`lone` (a batch that is its one leaf). Raises ValueError naming what is wrong.");
+"`ring[header:]` (int64 fields) names must lie inside the `room`-byte region at\n"
+"`described[at:]` (the batch's description: in its slot's data region or with its leaves),\n"
+"and the leaves the table names inside the `cap`-byte data region at `memory[data:]` (the\n"
+"ring itself, or the batch's overflow mapping). Returns (leaves, lone): the decoded table\n"
+"(as decode_table) and whether the skeleton is exactly `lone` (a batch that is its one\n"
+"leaf). Raises ValueError naming what is wrong.");
 
 /* The header at hdr[header:] and its two spans inside the `cap`-byte data region at data[region:]:
    0 with the header's fields in f, or -1 with ValueError naming what is wrong. */
@@ -309,32 +311,41 @@ static int skeleton_is(const int64_t f[N_HEADER_FIELDS], const char *base, const
 }
 
 static PyObject *read_slot(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "read_slot takes 6 arguments");
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "read_slot takes 9 arguments");
         return NULL;
     }
-    /* ring, header, memory, data, cap, lone */
-    Py_buffer hview, dview;
+    /* ring, header, described, at, room, memory, data, cap, lone */
+    Py_buffer hview, sview, dview;
     if (PyObject_GetBuffer(args[0], &hview, PyBUF_SIMPLE) < 0) return NULL;
-    if (PyObject_GetBuffer(args[2], &dview, PyBUF_SIMPLE) < 0) {
+    if (PyObject_GetBuffer(args[2], &sview, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&hview);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[5], &dview, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&sview);
         PyBuffer_Release(&hview);
         return NULL;
     }
     PyObject *out = NULL;
-    Py_ssize_t header = PyLong_AsSsize_t(args[1]);
-    Py_ssize_t data = PyLong_AsSsize_t(args[3]);
-    long long cap = PyLong_AsLongLong(args[4]);
+    Py_ssize_t header = PyLong_AsSsize_t(args[1]), at = PyLong_AsSsize_t(args[3]), data = PyLong_AsSsize_t(args[6]);
+    long long room = PyLong_AsLongLong(args[4]), cap = PyLong_AsLongLong(args[7]);
     char *lone;
     Py_ssize_t lone_len;
-    if (PyErr_Occurred() || PyBytes_AsStringAndSize(args[5], &lone, &lone_len) < 0) goto done;
+    if (PyErr_Occurred() || PyBytes_AsStringAndSize(args[8], &lone, &lone_len) < 0) goto done;
+    if (data < 0 || cap < 0 || data > dview.len || cap > dview.len - data) {
+        PyErr_Format(PyExc_ValueError, "data region [%zd, +%lld) outside the buffer", data, cap);
+        goto done;
+    }
     int64_t f[N_HEADER_FIELDS];
-    if (slot_fields(&hview, header, &dview, data, cap, f) < 0) goto done;
-    const char *region_base = (const char *)dview.buf + data;
-    PyObject *leaves = decode_entries(region_base + f[F_TABLE_OFF], (Py_ssize_t)f[F_TABLE_LEN], cap);
+    if (slot_fields(&hview, header, &sview, at, room, f) < 0) goto done;
+    const char *described = (const char *)sview.buf + at;
+    PyObject *leaves = decode_entries(described + f[F_TABLE_OFF], (Py_ssize_t)f[F_TABLE_LEN], cap);
     if (leaves == NULL) goto done;
-    out = Py_BuildValue("(NO)", leaves, skeleton_is(f, region_base, lone, lone_len) ? Py_True : Py_False);
+    out = Py_BuildValue("(NO)", leaves, skeleton_is(f, described, lone, lone_len) ? Py_True : Py_False);
 done:
     PyBuffer_Release(&dview);
+    PyBuffer_Release(&sview);
     PyBuffer_Release(&hview);
     return out;
 }

@@ -219,8 +219,8 @@ class RingIterator(_BaseDataLoaderIter):
         slot = sched.event
         hdr = ring.headers[slot]
         if code == Step.NEED_MEMORY:
-            self._broker.requested(slot, hdr[Field.NEEDED], sched, ring, life.pool.send_memory, life.pinned,
-                                   self._delivery.stager is not None)
+            self._broker.requested(slot, hdr[Field.NEEDED], bool(hdr[Field.OWN]), sched, ring, life.pool.send_memory,
+                                   life.pinned, self._delivery.stager is not None)
         elif code == Step.PIPE:
             self._delivery.piped_in(slot, life.pool)
         elif code == Step.STALE:

@@ -89,14 +89,15 @@ class Delivery:
             self.delivered(self.note(slot))
         where = self.broker.where(slot)
         if where is not None:
-            # The batch lies in its own overflow memory: the slot is free at once, the memory
-            # once the batch's last view is dropped.
-            self.sched.give_back(slot)
+            # The batch lies in its own overflow memory: the slot is free once it is read (it
+            # may hold the batch's description), the memory once the batch's last view is dropped.
             try:
                 batch, base, nbytes = read_batch(ring, slot, None, where)
             except BaseException:
                 self.broker.drop(slot)
                 raise
+            finally:
+                self.sched.give_back(slot)
             self.broker.take(slot, base)
             self.counters.overflow_batches += 1
             if self.sched.own and self.leases.holding() < self.sched.num_slots - 2:

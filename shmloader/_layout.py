@@ -66,7 +66,8 @@ class Field:
     R_SEQ = 12  # result: the task's seq, echoed by the worker (checked when the slot is collected)
     DATASET_STATE_OFF = 13  # result: the pickled IterableDataset state_dict() after this batch (or 0 bytes)
     DATASET_STATE_LEN = 14
-    REGION = 15  # result: where the batch lies, a Region value (offsets above are relative to it)
+    REGION = 15  # result: where the batch lies, a Region value (offsets above are relative to it;
+    # with LEAVES, the leaf table's to the overflow memory, the others' to the slot's data region)
     OWN = 16  # task: 1 when the batch goes into memory of its own (the consumer holds the ring), not its slot
 
 
@@ -109,6 +110,8 @@ class Region(enum.IntEnum):
     SLOT = 0  # the slot's own data region
     OVERFLOW = 1  # the overflow memory the consumer granted for this task (see _overflow.py)
     PIPE = 2  # pickled over the worker's connection: memory_budget had no room while the caller held it
+    LEAVES = 3  # the leaves in the overflow memory granted for this task; the rest (skeleton, leaf
+    # table, dataset state) in the slot's own data region: a batch of whole pages costs just those
 
 
 # native/_layout.h, the same layout for the C side: every field and code it names, checked here.

@@ -30,7 +30,7 @@ from ._ring import Ring
 
 _TENSOR = int(Kind.TENSOR)
 _U8 = np.dtype(np.uint8)
-_SLOT, _OVERFLOW = int(Region.SLOT), int(Region.OVERFLOW)
+_SLOT, _OVERFLOW, _LEAVES = int(Region.SLOT), int(Region.OVERFLOW), int(Region.LEAVES)
 _REGION = Field.REGION
 
 
@@ -178,6 +178,15 @@ def in_slot(ring: Ring, slot: int) -> Where:
     return ring.mm, ring.data_offsets[slot], ring.geometry.data_bytes
 
 
+def described_at(ring: Ring, slot: int, where: Where | None) -> Where:
+    """Where the skeleton, leaf table and dataset state of ``slot``'s result lie: with its
+    leaves (``where``: overflow memory, or the slot), or, with ``Region.LEAVES``, in the
+    slot's own data region."""
+    if where is None or ring.headers[slot][_REGION] == _LEAVES:
+        return in_slot(ring, slot)
+    return where
+
+
 def read_pickled(ring: Ring, slot: int, where: Where | None = None) -> bytes:
     """A slot's pickled bytes: the batch's skeleton, or (status ERROR) the worker's exception."""
     return _read(ring, slot, where, Field.PICKLED_OFF, Field.PICKLED_LEN, "pickled skeleton or error")
@@ -189,7 +198,7 @@ def read_dataset_state(ring: Ring, slot: int, where: Where | None = None) -> byt
 
 
 def _read(ring: Ring, slot: int, where: Where | None, off_field: int, len_field: int, what: str) -> bytes:
-    mm, data_off, cap = where or in_slot(ring, slot)
+    mm, data_off, cap = described_at(ring, slot, where)
     off, length = _span(ring.headers[slot], off_field, len_field, cap, what, slot)
     return mm[data_off + off : data_off + off + length]  # type: ignore[no-any-return]
 
@@ -214,11 +223,13 @@ def read_batch(ring: Ring, slot: int, convert: LeafConverter | None = None,
             raise CorruptSlotError(f"slot {slot}: header says region {region}, expected SLOT")
         mm, data_off, cap = ring.mm, ring.data_offsets[slot], ring.geometry.data_bytes
     else:
-        if region != _OVERFLOW:
-            raise CorruptSlotError(f"slot {slot}: header says region {region}, expected OVERFLOW")
+        if region != _OVERFLOW and region != _LEAVES:
+            raise CorruptSlotError(f"slot {slot}: header says region {region}, expected OVERFLOW or LEAVES")
         mm, data_off, cap = where
+    described, at, room = described_at(ring, slot, where)
     try:  # the header's spans, the leaf table, and whether the batch is one leaf: one call
-        table, lone = _native.read_slot(ring.mm, ring.header_offsets[slot], mm, data_off, cap, LONE_LEAF)
+        table, lone = _native.read_slot(ring.mm, ring.header_offsets[slot], described, at, room, mm, data_off, cap,
+                                        LONE_LEAF)
     except ValueError as exc:
         raise CorruptSlotError(f"slot {slot}: {exc}") from None
     if lone and len(table) == 1:

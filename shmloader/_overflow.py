@@ -189,17 +189,19 @@ class OverflowBroker:
             return
         self.grow_to = max(self.grow_to or 0, target)
 
-    def requested(self, slot: int, needed: int, sched: Scheduler, ring: Ring, send: Callable[..., Any], pinned: bool,
-                  staging: bool) -> None:
+    def requested(self, slot: int, needed: int, own: bool, sched: Scheduler, ring: Ring, send: Callable[..., Any],
+                  pinned: bool, staging: bool) -> None:
         """``slot``'s worker asks for ``needed`` bytes of overflow memory (its result is published
         NEED_MEMORY): it waits for a grant (``grant`` runs at once), and the ring grows once it
-        drains; a stale epoch's request is answered "drop"."""
+        drains, unless the task was posted ``own`` (the batch may well fit a slot: the user holds
+        them); a stale epoch's request is answered "drop"."""
         task = sched.task_of(slot)
         assert task is not None
         if not sched.overflowed(slot, needed):
             send(task.worker, slot, 0, -1)  # a stale epoch's batch: drop it
             return
-        self.want_growth(needed, ring.data_bytes)
+        if not own:
+            self.want_growth(needed, ring.data_bytes)
         self.grant(sched, ring, send, pinned, staging)
 
     def grant(self, sched: Scheduler, ring: Ring, send: Callable[..., Any], pinned: bool, staging: bool) -> None:

@@ -34,7 +34,7 @@ from torch._utils import ExceptionWrapper
 
 from ._collate import SlotWriter, slot_collate_map
 from ._errors import fit_error, picklable
-from ._layout import RESIZE_TASK, Counter, Region, RingGeometry, Status
+from ._layout import RESIZE_TASK, Counter, Region, RingGeometry, Status, round_up
 from ._produce import Outcome, Producer, WorkerConfig, init, wrap
 from ._ring import AttachedRing
 
@@ -159,8 +159,13 @@ class Mailbox:
 
 
 def _deliver(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWriter, outcome: Outcome, batch: Any,
-             dataset_state: bytes, epoch: int, seq: int, mailbox: Mailbox, doorbell: int) -> bool:
-    """Publish ``outcome``; a batch that did not fit takes the overflow path. False: stop."""
+             dataset_state: bytes, epoch: int, seq: int, mailbox: Mailbox, doorbell: int, own: bool) -> bool:
+    """Publish ``outcome``; a batch that did not fit takes the overflow path. False: stop.
+
+    A batch of a task posted ``own`` (the consumer holds the rest of the ring) asks for its
+    leaves' bytes only, and is described (skeleton, leaf table, dataset state) in its slot's
+    data region, which it does not otherwise use (``Region.LEAVES``): a batch of whole pages
+    then costs exactly its pages, as torch's does."""
     if outcome.status is not _NEED_MEMORY:
         _publish(ring, slot, cfg, writer, outcome, epoch, seq, doorbell)
         return True
@@ -171,7 +176,10 @@ def _deliver(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWrite
         error = Outcome(Status.ERROR, error=wrap(where=f"in DataLoader worker process {cfg.worker_id}"))
         _publish(ring, slot, cfg, writer, error, epoch, seq, doorbell)
         return True
-    _publish(ring, slot, cfg, writer, Outcome(Status.NEED_MEMORY, needed=needed), epoch, seq, doorbell)
+    leaf_bytes = measure.used
+    apart = own and 0 < leaf_bytes and needed - round_up(leaf_bytes, 8) <= ring.data_bytes
+    asked = leaf_bytes if apart else needed
+    _publish(ring, slot, cfg, writer, Outcome(Status.NEED_MEMORY, needed=asked), epoch, seq, doorbell)
     reply = mailbox.expect("memory", slot)
     if reply is None:
         return False
@@ -194,18 +202,20 @@ def _deliver(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWrite
         os.close(fd)
     overflow = SlotWriter(mm)
     overflow.begin(0, size)
+    if apart:
+        overflow.describe_in(ring.mm, ring.data_offsets[slot], ring.data_bytes)
     try:
         overflow.finish(batch, dataset_state)
         if not overflow.fits:
-            raise RuntimeError(f"the batch measured {needed:,} bytes, then needed more than the {size:,} granted")
-        outcome = Outcome(Status.OK, needed=needed)
+            raise RuntimeError(f"the batch measured {asked:,} bytes, then needed more than the {size:,} granted")
+        outcome = Outcome(Status.OK, needed=asked)
     except Exception:
         outcome = Outcome(Status.ERROR, error=wrap(where=f"in DataLoader worker process {cfg.worker_id}"))
     # The overflow writer's layout, not the slot writer's: their leaves can come in another order
     # (default collate stacks some leaves before the skeleton is pickled, which adds the rest).
     written = outcome.status is Status.OK
-    _publish(ring, slot, cfg, overflow if written else writer, outcome, epoch, seq, doorbell,
-             Region.OVERFLOW if written else Region.SLOT)
+    region = (Region.LEAVES if apart else Region.OVERFLOW) if written else Region.SLOT
+    _publish(ring, slot, cfg, overflow if written else writer, outcome, epoch, seq, doorbell, region)
     del overflow, mm  # unmapped once the writer's views are gone; the consumer keeps its own mapping
     return True
 
@@ -259,7 +269,7 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
             except Exception:  # the first batch could be measured but not written: its error
                 outcome = Outcome(Status.ERROR, error=wrap(where=f"in DataLoader worker process {cfg.worker_id}"))
                 batch = None
-        if not _deliver(ring, pending_slot, cfg, writer, outcome, batch, dataset_state, epoch, seq, mailbox, doorbell):
+        if not _deliver(ring, pending_slot, cfg, writer, outcome, batch, dataset_state, epoch, seq, mailbox, doorbell, False):
             return
     # The probe's private copy of the first batch (the writer keeps its leaves too): not for
     # the worker's whole life.
@@ -337,7 +347,8 @@ def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: Producer, mailbox: M
         counters = ring.counters[cfg.worker_id]
         counters[_BUSY_NS] += spent
         counters[_BATCHES] += 1
-        if not _deliver(ring, slot, cfg, writer, outcome, batch, producer.dataset_state, epoch, seq, mailbox, doorbell):
+        state = producer.dataset_state
+        if not _deliver(ring, slot, cfg, writer, outcome, batch, state, epoch, seq, mailbox, doorbell, own):
             return
         del batch
         if spent > LONG_BATCH_NS:

@@ -175,23 +175,24 @@ class MemoryResult:
 
 def peak_memory(make: Callable[[], Any], epochs: int, hold: bool) -> float:
     """MiB of the peak, above the baseline just before the loader existed, of the process tree's
-    private PSS plus the system's shared-memory growth, while ``epochs`` epochs run (the loop
-    keeps every batch with ``hold``; else it drops each at once). The tree's PSS is read every
-    10 batches as well as by the sampling thread, so a short run's workers count."""
+    private PSS plus the system's shared-memory growth, while ``epochs`` epochs run. The loop is
+    a user's: ``batch`` stays bound from one epoch's end into the next's start (every batch is
+    kept with ``hold``). The tree's PSS is read every 10 batches as well as by the sampling
+    thread, so a short run's workers count."""
     gc.collect()
     baseline = pss_bytes(_tree(os.getpid()), shared=False)
     memory = PeakMemory(interval=0.01, pss_interval=0.5)
     loader = make()
     kept = []
+    batch = None
     for _ in range(epochs):
         for i, batch in enumerate(loader):
             if hold:
                 kept.append(batch)
             memory.sample(pss=i % 10 == 0)
-            del batch
         memory.sample()
     peak = memory.stop()
-    del kept
+    del kept, batch
     _close(loader)
     return (peak - baseline) / 2**20
 

@@ -41,11 +41,10 @@ def test_a_ring_outlived_by_a_held_batch_keeps_only_that_batchs_slot(persistent:
     loader = shmloader.DataLoader(Blocks(40, words=64 * 1024), batch_size=4, num_workers=2,
                                   persistent_workers=persistent)
     it = iter(loader)
-    batches = [b for b in it]  # the last slots still hold their batches: these views
+    for kept in it:  # a loop's variable: the last batch, a view of its slot, outlives the loop
+        pass
     ring = it.ring
     assert ring is not None
-    kept = batches[-1]
-    del batches
     if persistent:
         it._shutdown_workers()
     assert it.shut_down
@@ -168,3 +167,63 @@ def test_the_budget_holds_when_the_loop_holds_everything(in_order: bool) -> None
         assert sorted(map(bytes_of, held)) == sorted(map(bytes_of, want))
     stats = loader.stats()
     assert stats.copies >= 1 and stats.overflow_batches >= 1
+
+
+def memfd_extent(ptr: int) -> int:
+    """Bytes of the overflow memory (``/memfd:shmloader-overflow``) mapping that holds ``ptr``;
+    0 when ``ptr`` lies elsewhere."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            parts = line.split()
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= ptr < hi:
+                return hi - lo if len(parts) >= 6 and parts[5] == "/memfd:shmloader-overflow" else 0
+    return 0
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_held_batches_of_whole_pages_cost_just_their_pages(in_order: bool) -> None:
+    # A replay buffer of batches of exactly 16 pages: once the loop holds the ring, each batch
+    # comes in memory of its own holding its leaves alone (its skeleton and leaf table travel in
+    # its slot), so it costs what torch's shared-memory batch costs; holding never grows the ring.
+    page = os.sysconf("SC_PAGE_SIZE")
+    loader = shmloader.DataLoader(Blocks(240, words=page), batch_size=4, num_workers=2, in_order=in_order)
+    it = iter(loader)
+    kept = list(it)
+    firsts = [int(b[0, 0]) for b in kept]
+    assert firsts == list(range(0, 240, 4)) if in_order else sorted(firsts) == list(range(0, 240, 4))
+    for batch, first in zip(kept, firsts):
+        check_blocks(batch, first)
+    stats = loader.stats()
+    assert stats.copies == 1 and stats.ring_growths == 0, stats
+    extents = [memfd_extent(b.untyped_storage().data_ptr()) for b in kept]
+    own = [e for e in extents if e]
+    assert len(own) == stats.overflow_batches == 60 - 5, (len(own), stats)  # all but the ring's 4 and the copy
+    assert own == [16 * page] * len(own), sorted(set(own))
+    del kept, it
+
+
+def test_held_batches_with_skeletons_and_dataset_states_equal_torchs() -> None:
+    # Held batches of every shape come in memory of their own: dicts with strings (their
+    # skeleton in the slot, or with the leaves when it does not fit the slot: every 7th text is
+    # ~100 KB), and an IterableDataset's state after each batch, which a checkpoint taken with
+    # every batch held resumes from.
+    from tests.datasets import StatefulShards, Tokens, pad_collate
+
+    want = list(tud.DataLoader(Tokens(96, first_small=8, big_every=7), batch_size=4, collate_fn=pad_collate))
+    loader = shmloader.DataLoader(Tokens(96, first_small=8, big_every=7), batch_size=4, num_workers=2,
+                                  collate_fn=pad_collate)
+    same(list(loader), want)
+    assert loader.stats().overflow_batches >= 1
+
+    want_shards = list(tud.DataLoader(StatefulShards(200), batch_size=4, num_workers=2))
+    stateful = shmloader.DataLoader(StatefulShards(200), batch_size=4, num_workers=2)
+    it = iter(stateful)
+    held = [next(it) for _ in range(30)]
+    state = stateful.state_dict()
+    same(held, want_shards[:30])
+    assert stateful.stats().overflow_batches >= 20
+    del held, it
+    resumed = shmloader.DataLoader(StatefulShards(200), batch_size=4, num_workers=2)
+    resumed.load_state_dict(state)
+    same(list(resumed), want_shards[30:])

@@ -24,8 +24,8 @@ Each round checks what the functions promise, not only that they survive:
   random offset and code tables, ``items[i]`` returns the marshalled element, raises
   ValueError for offsets outside the blob, or hands the key to ``_item``; ``plain_value``
   agrees with a Python model on random nested values;
-- ``read_slot`` over headers pointing anywhere: ValueError, or leaves inside the data region and
-  a lone flag that is right; ``lend_lone`` over the same: ValueError or None with nothing lent,
+- ``read_slot`` over headers pointing anywhere, its leaves with the description or apart from it:
+  ValueError, or leaves inside their data region and a lone flag that is right; ``lend_lone`` over the same: ValueError or None with nothing lent,
   or one array lent inside the data region with its table's byte size; ``same_attr`` over getters that raise or empty the caller's list,
   and over builtin types' getters (called directly) answering as getattr does;
 - the synchronisation calls (``sem_*``, ``load_acquire``, ``store_*``,
@@ -149,16 +149,20 @@ def fuzz_read_slot(native: Any, rng: random.Random, g: Guarded) -> None:
     fields[pickled_len] = rng.choice([len(lone), len(lone), len(lone) - 1, -1, 2**62])
     g.view[header : header + 8 * len(fields)] = struct.pack(f"<{len(fields)}q", *fields)
     hdr = rng.choice([header, header, header + 4, -8, SIZE - 64, SIZE])
+    # The leaves with their description, or apart from it (Region.LEAVES), anywhere
+    leaves_at, leaves_cap = rng.choice([(data, cap), (data, cap), (data + 4096, rng.choice([0, 512, SIZE - data - 4096])),
+                                        (SIZE - 8, 16), (-8, 64), (data, -1)])
     try:
-        table, is_lone = native.read_slot(g.view, hdr, g.view, data, cap, lone)
+        table, is_lone = native.read_slot(g.view, hdr, g.view, data, cap, g.view, leaves_at, leaves_cap, lone)
     except (ValueError, OverflowError):
         g.check("read_slot")
         return
     g.check("read_slot")
     assert hdr == header and 0 <= fields[table_off] and fields[table_off] + fields[table_len] <= cap
+    assert 0 <= leaves_at and 0 <= leaves_cap <= SIZE - leaves_at
     assert is_lone == (fields[pickled_len] == len(lone) and skeleton == lone and fields[pickled_off] == 2048)
     for code, kind, loff, nbytes, shape in table:
-        assert 0 <= loff and loff + nbytes <= cap, (loff, nbytes, cap)
+        assert 0 <= loff and loff + nbytes <= leaves_cap, (loff, nbytes, leaves_cap)
 
 
 def fuzz_lend_lone(native: Any, rng: random.Random, g: Guarded) -> None:
