@@ -2,7 +2,7 @@
 
 Each step is a function of the product; this script wraps it with a ``perf_counter_ns``
 accumulator (in the workers too: they are forked after the wrapping), runs a persistent
-loader over ready tensors (limit_probe's workload: 2 workers, prefetch 2) and prints, per
+loader over ready tensors (the bench's ready-tensor workloads: 2 workers, prefetch 2) and prints, per
 step, the time inside it per batch and how often it ran. The time a wrapper adds is measured
 on an empty function and subtracted once per call, so the nested rows are close to what the
 unwrapped code spends; the CPU time of the whole process (``thread_time`` in the main
@@ -28,9 +28,8 @@ import torch
 from torch.utils.data import Dataset
 
 import shmloader
-from placement import place
 from shmloader import _collate, _consume, _delivery, _native, _produce, _ring, _slots, _stats, _wait, _worker
-from shmloader._bench.measure import cpu_seconds
+from shmloader._bench.measure import usage
 
 WORK = {"tiny": ((16,), torch.float32, 32), "tokens": ((512,), torch.int64, 64), "image": ((3, 224, 224), torch.uint8, 128)}
 
@@ -138,16 +137,18 @@ def run(name: str, batches: int, profile: bool, pin: bool = False) -> tuple[floa
     it = loader._iterator
     pids = [p.pid for p in it._life.pool.procs]
     if pin:
-        place("apart", pids)
-    workers_before = cpu_seconds(pids)
+        os.sched_setaffinity(0, {0})  # the main process alone on CPU 0, the workers on CPU 1
+        for pid in pids:
+            os.sched_setaffinity(pid, {1})
+    workers_before = usage(pids).on_cpu
     began, cpu = time.perf_counter(), time.thread_time()
     for _ in loader:
         pass
     wall, main_cpu = time.perf_counter() - began, time.thread_time() - cpu
-    workers_cpu = cpu_seconds(pids) - workers_before
+    workers_cpu = usage(pids).on_cpu - workers_before
     it._shutdown_workers()
     if pin:
-        place("free", [])
+        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
     del it, loader
     worker_accs = []
     for f in os.listdir(out):

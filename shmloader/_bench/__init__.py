@@ -5,6 +5,12 @@ installed), side by side in one run, on transport-bound and real workloads.
     shmloader bench --workloads tiny,jpeg --loaders torch,shmloader --json out.json --plot out.png
     shmloader bench --rounds 3 --report           # on a noisy machine: loaders alternated, ratios paired
     shmloader bench --memory --rounds 3           # peak memory, workers stopped after each epoch and persistent
+    shmloader bench --ceiling --rounds 12         # each loader as a share of a bare ring (ready tensors)
+    shmloader bench --cpu --latency --step-ms 1   # CPU per batch, main and workers; next()'s percentiles
+
+Rows ``dataset`` (the dataset and collate alone, in this process: the floor under every
+loader's CPU per batch) and, with ``--ceiling``, ``ceiling`` (the bare ring of ``ceiling.py``)
+are yardsticks beside the loaders.
 """
 
 from __future__ import annotations
@@ -23,8 +29,8 @@ from typing import Any, Callable
 
 import torch
 
-from .loaders import LOADERS, Loader
-from .measure import MemoryResult, Result, measure, peak_memory
+from .loaders import CEILING, LOADERS, Loader
+from .measure import CpuSplit, MemoryResult, Result, measure, peak_memory
 from .workloads import CACHE, WORKLOADS, Workload
 
 
@@ -45,6 +51,13 @@ def parser() -> argparse.ArgumentParser:
                    help="measure peak memory instead of speed: two epochs, workers stopped after each "
                         "(torch's default) and persistent")
     p.add_argument("--memory-budget", default=None, help="pass memory_budget= to shmloader and check its memory")
+    p.add_argument("--ceiling", action="store_true",
+                   help="run a bare ring (no shmloader code: the design's ceiling) too, and print each loader's "
+                        "rate as a share of it; default workloads tiny,tokens,image and loaders torch,shmloader")
+    p.add_argument("--cpu", action="store_true",
+                   help="print CPU µs (user, system) and context switches per batch, main process and workers")
+    p.add_argument("--latency", action="store_true",
+                   help="print the 50th/90th/99th percentiles of a next() call (with --step-ms: a ready batch's)")
     p.add_argument("--step-ms", type=float, default=0.0, help="simulated training step per batch (CPU spin)")
     p.add_argument("--report", action="store_true", help="print shmloader's loader-bound share and advice")
     p.add_argument("--data", type=pathlib.Path, default=None, help="folder with your JPEGs and/or a uint16 token file")
@@ -97,7 +110,7 @@ def run(args: argparse.Namespace) -> tuple[list[Result], list[str]]:
                 runs[ld.name][r] = res
             if bar is not None:
                 bar.update()
-        results.extend(_merge(own, runs.get("torch", {})) for own in runs.values() if own)
+        results.extend(_merge(own, runs.get("torch", {}), runs.get(CEILING.name, {})) for own in runs.values() if own)
     if bar is not None:
         bar.close()
     return results, notes
@@ -139,9 +152,13 @@ def run_memory(args: argparse.Namespace) -> tuple[list[MemoryResult], list[str]]
 
 def _selected(args: argparse.Namespace) -> tuple[list[Workload], list[Loader], list[str]]:
     """The workloads and the installed loaders asked for, and a note for each one missing."""
+    known = {**LOADERS, CEILING.name: CEILING}
     workloads = [WORKLOADS[w] for w in _names(args.workloads, WORKLOADS, "workload")]
+    asked = _names(args.loaders, known, "loader")
+    if getattr(args, "ceiling", False) and CEILING.name not in asked:
+        asked.insert(0, CEILING.name)
     notes, loaders = [], []
-    for ld in (LOADERS[n] for n in _names(args.loaders, LOADERS, "loader")):
+    for ld in (known[n] for n in asked):
         if ld.available():
             loaders.append(ld)
         else:
@@ -172,10 +189,11 @@ def _maker(args: argparse.Namespace, w: Workload, ld: Loader, dataset: Any, budg
     return make
 
 
-def _merge(by_round: dict[int, Result], torch_by_round: dict[int, Result]) -> Result:
-    """One loader's rounds on one workload as one result: the median of the rounds' rates, the
-    range over every repeat, the most memory any round took, and the ratio to torch as the
-    median of each round's ratio to torch's run of the same round (None without torch)."""
+def _merge(by_round: dict[int, Result], torch_by_round: dict[int, Result], ceiling_by_round: dict[int, Result]) -> Result:
+    """One loader's rounds on one workload as one result: the median of the rounds' rates (and
+    CPU, and latency percentiles), the range over every repeat, the most memory any round
+    took, and the ratios to torch and to the bare ring as the median of each round's ratio to
+    their run of the same round (None without them)."""
     runs = list(by_round.values())
     out = dataclasses.replace(runs[0])
     out.rounds = len(runs)
@@ -190,9 +208,22 @@ def _merge(by_round: dict[int, Result], torch_by_round: dict[int, Result]) -> Re
     out.loader_mb = max(r.loader_mb for r in runs)
     if any(r.within_budget is not None for r in runs):
         out.within_budget = all(r.within_budget for r in runs)
-    paired = [r.batches_per_s / torch_by_round[k].batches_per_s for k, r in by_round.items() if k in torch_by_round]
-    out.ratio_to_torch = statistics.median(paired) if paired else None
+    out.ratio_to_torch = _paired(by_round, torch_by_round)
+    out.ratio_to_ceiling = _paired(by_round, ceiling_by_round)
+    splits = [r.cpu_us for r in runs if r.cpu_us is not None]
+    if splits:
+        out.cpu_us = CpuSplit(*(statistics.median(getattr(c, f.name) for c in splits)
+                                for f in dataclasses.fields(CpuSplit)))
+    latencies = [r.next_us for r in runs if r.next_us]
+    if latencies:
+        out.next_us = [statistics.median(q) for q in zip(*latencies)]
     return out
+
+
+def _paired(by_round: dict[int, Result], other: dict[int, Result]) -> float | None:
+    """The median over rounds of this loader's rate over ``other``'s in the same round."""
+    paired = [r.batches_per_s / other[k].batches_per_s for k, r in by_round.items() if k in other]
+    return statistics.median(paired) if paired else None
 
 
 def _names(text: str, known: dict[str, Any], what: str) -> list[str]:
@@ -222,6 +253,36 @@ def table(results: list[Result]) -> str:
     return "\n".join(rows + notes)
 
 
+def ceiling_table(results: list[Result]) -> str:
+    rows = ["| workload | loader | batches/s (median; each round) | share of the bare ring | vs torch |",
+            "|" + "---|" * 5]
+    for r in results:
+        rounds = ", ".join(f"{x:,.0f}" for x in r.round_rates or [r.batches_per_s])
+        share = "" if r.ratio_to_ceiling is None else f"{r.ratio_to_ceiling:.0%}"
+        ratio = "" if r.ratio_to_torch is None else f"{r.ratio_to_torch:.2f}x"
+        rows.append(f"| {r.workload} | {r.loader} | {r.batches_per_s:,.0f} ({rounds}) | {share} | {ratio} |")
+    return "\n".join(rows)
+
+
+def cpu_table(results: list[Result]) -> str:
+    rows = ["| workload | loader | main user µs | main system µs | workers user µs | workers system µs "
+            "| main switches | workers switches |", "|" + "---|" * 8]
+    for r in results:
+        c = r.cpu_us
+        if c is not None:
+            rows.append(f"| {r.workload} | {r.loader} | {c.main_user:.1f} | {c.main_system:.1f} | {c.workers_user:.1f} "
+                        f"| {c.workers_system:.1f} | {c.main_switches:.2f} | {c.workers_switches:.2f} |")
+    return "\n".join(rows)
+
+
+def latency_table(results: list[Result]) -> str:
+    rows = ["| workload | loader | next() p50 µs | p90 µs | p99 µs |", "|" + "---|" * 5]
+    for r in results:
+        if r.next_us:
+            rows.append(f"| {r.workload} | {r.loader} | " + " | ".join(f"{x:,.1f}" for x in r.next_us) + " |")
+    return "\n".join(rows)
+
+
 def memory_table(results: list[MemoryResult]) -> str:
     rows = ["| workload | loader | persistent_workers | peak MiB above baseline (median; each round) | vs torch |",
             "|" + "---|" * 5]
@@ -242,7 +303,7 @@ def metadata(args: argparse.Namespace) -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
         "python": platform.python_version(),
-        "versions": {ld.name: ld.version() for ld in LOADERS.values() if ld.available()},
+        "versions": {ld.name: ld.version() for ld in LOADERS.values() if ld.available() and ld.name != "dataset"},
         "command": " ".join(["shmloader", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
         "num_workers": args.num_workers,
         "prefetch_factor": args.prefetch_factor,
@@ -278,6 +339,12 @@ def plot(results: list[Result], path: pathlib.Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.ceiling:  # (the bare ring serves ready tensors; a comparison needs torch and the product)
+        defaults = parser().parse_args([])
+        if args.workloads == defaults.workloads:
+            args.workloads = "tiny,tokens,image"
+        if args.loaders == defaults.loaders:
+            args.loaders = "torch,shmloader"
     meta = metadata(args)
     results: list[Result] = []
     peaks: list[MemoryResult] = []
@@ -298,8 +365,16 @@ def main(argv: list[str] | None = None) -> int:
         print("# peak of the process tree's private PSS plus the system's shared-memory growth, above the "
               "baseline before the loader existed, over two epochs")
         print(memory_table(peaks))
+    elif args.ceiling:
+        print(ceiling_table(results))
     else:
         print(table(results))
+    if args.cpu:
+        print("# per batch, over the measured batches; the workers' sum")
+        print(cpu_table(results))
+    if args.latency:
+        print("# one next() call, from the call to its return" + (f", after a {args.step_ms} ms step" if args.step_ms else ""))
+        print(latency_table(results))
     for note in notes:
         print(f"- {note}")
     if args.report and results:

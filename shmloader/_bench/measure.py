@@ -45,16 +45,50 @@ def _tree(root: int) -> list[int]:
     return out
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    total = 0.0
+@dataclasses.dataclass
+class Usage:
+    """Time on CPU (the scheduler's, ns-precise), user and system ticks, and context switches
+    (voluntary and not) of some processes. Ticks are 10 ms: alone they would round a short
+    run's workers to nothing, so they only split the time on CPU into user and system."""
+
+    on_cpu: float = 0.0
+    user_ticks: int = 0
+    system_ticks: int = 0
+    switches: int = 0
+
+    def __sub__(self, other: Usage) -> Usage:
+        return Usage(self.on_cpu - other.on_cpu, self.user_ticks - other.user_ticks,
+                     self.system_ticks - other.system_ticks, self.switches - other.switches)
+
+    @property
+    def user(self) -> float:
+        ticks = self.user_ticks + self.system_ticks
+        return self.on_cpu * (self.user_ticks / ticks if ticks > 0 else 1.0)
+
+    @property
+    def system(self) -> float:
+        return self.on_cpu - self.user
+
+
+def usage(pids: list[int]) -> Usage:
+    """``pids``' CPU time and context switches so far (``/proc/PID/schedstat``, ``stat`` and
+    ``status``); a process gone meanwhile counts nothing."""
+    out = Usage()
     for pid in pids:
         try:
+            with open(f"/proc/{pid}/schedstat") as f:
+                on_cpu = int(f.read().split()[0]) / 1e9
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / _TICK
+            with open(f"/proc/{pid}/status") as f:
+                switches = sum(int(line.split()[1]) for line in f if "ctxt_switches:" in line)
         except (OSError, IndexError, ValueError):
-            pass
-    return total
+            continue
+        out.on_cpu += on_cpu
+        out.user_ticks += int(fields[11])
+        out.system_ticks += int(fields[12])
+        out.switches += switches
+    return out
 
 
 def pss_bytes(pids: list[int], shared: bool = True) -> int:
@@ -161,6 +195,22 @@ class Result:
     slot_bytes: int | None = None
     rounds: int = 1  # runs merged into this result (shmloader bench --rounds)
     round_rates: list[float] | None = None  # with --rounds: each round's median batches/s, in round order
+    ratio_to_ceiling: float | None = None  # with --ceiling: the median of each round's ratio to the bare ring's
+    cpu_us: CpuSplit | None = None  # CPU µs and context switches per batch, main process and workers
+    next_us: list[float] | None = None  # a next() call's 50th, 90th and 99th percentile, µs
+
+
+@dataclasses.dataclass
+class CpuSplit:
+    """Per batch: CPU µs (user, system) of the main process and of the workers together, and
+    their context switches (voluntary and not)."""
+
+    main_user: float
+    main_system: float
+    workers_user: float
+    workers_system: float
+    main_switches: float
+    workers_switches: float
 
 
 @dataclasses.dataclass
@@ -224,24 +274,31 @@ def measure(
         for _ in it:
             pass
     overflow_before = loader.stats().overflow_batches if hasattr(loader, "stats") else 0
-    pids = _tree(os.getpid())
-    cpu0 = cpu_seconds(pids)
-    rates = []
+    main = os.getpid()
+    workers = [pid for pid in _tree(main) if pid != main]
+    main0, workers0 = usage([main]), usage(workers)
+    rates, waits = [], []
+    clock = time.perf_counter
     for _ in range(repeats):
         if epochs:
             it = iter(loader)
         kept = []
-        t = time.perf_counter()
+        t = clock()
         for _ in range(batches):
+            asked = clock()
             batch = next(it)
+            waits.append(clock() - asked)
             if step_s:
                 _spin(step_s)
             if hold:
                 kept.append(batch)
             del batch
-        rates.append(batches / (time.perf_counter() - t))
+        rates.append(batches / (clock() - t))
         del kept
-    cpu = (cpu_seconds(pids) - cpu0) / (batches * repeats)
+    n = batches * repeats
+    main_use, workers_use = usage([main]) - main0, usage(workers) - workers0
+    cpu = (main_use.on_cpu + workers_use.on_cpu) / n
+    waits.sort()
     memory.sample()  # before the loader stops
     stats = loader.stats() if hasattr(loader, "stats") else None
     ring = getattr(it, "ring", None)  # a ring iterator's (None when it has none)
@@ -267,6 +324,9 @@ def measure(
         overflow_share=None if stats is None or not epochs else (stats.overflow_batches - overflow_before) / (batches * repeats),
         ring_growths=None if stats is None else stats.ring_growths,
         slot_bytes=None if ring is None else ring.geometry.data_bytes,
+        cpu_us=CpuSplit(1e6 * main_use.user / n, 1e6 * main_use.system / n, 1e6 * workers_use.user / n,
+                        1e6 * workers_use.system / n, main_use.switches / n, workers_use.switches / n),
+        next_us=[1e6 * waits[min(len(waits) - 1, int(q * len(waits)))] for q in (0.5, 0.9, 0.99)],
     )
 
 
@@ -278,6 +338,8 @@ def _spin(seconds: float) -> None:
 
 
 def _close(loader: Any) -> None:
+    if hasattr(loader, "close"):  # the bare ring
+        loader.close()
     it = getattr(loader, "_iterator", None)
     if it is not None and hasattr(it, "_shutdown_workers"):
         it._shutdown_workers()

@@ -1,5 +1,6 @@
-"""The benchmark's workloads: transport-bound (tiny, tokens, image) and real (jpeg, memmap,
-varlen).
+"""The benchmark's workloads: transport-bound (tiny, tokens, image, hold), real (jpeg, memmap,
+varlen), and a dataset that reads a large index of Python objects, as a plain list (index) or
+through ``shmloader.share()`` (shared-index): what its workers copy shows in "loader MB".
 
 Datasets are module-level classes so that every loader's workers can import them. Every
 random choice is seeded by the sample index, so runs are comparable.
@@ -32,6 +33,41 @@ class Ready(Dataset):  # type: ignore[type-arg]
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return self.item
+
+
+class Index(Dataset):  # type: ignore[type-arg]
+    """An ImageFolder-style index of (path, label, size) dicts, read at a pseudo-random entry per
+    sample (the work of a dataset that loads nothing else): a small tensor per sample. Over a
+    plain list, every worker copies the entries it reads (reading writes their reference
+    counts); over ``shmloader.share()`` no worker copies anything."""
+
+    def __init__(self, entries: Any, n: int) -> None:
+        self.entries, self.n = entries, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        entry = self.entries[(i * 2654435761) % len(self.entries)]
+        return torch.tensor([entry["label"], entry["size"], len(entry["path"])])
+
+
+def index_entries(count: int) -> Any:
+    """``count`` index entries, made as they are read (never a list of them at once)."""
+    return ({"path": f"/data/class{i % 1000:04d}/img{i:08d}.jpg", "label": i % 1000, "size": 1000 + i % 5000}
+            for i in range(count))
+
+
+def _index(shared: bool) -> Callable[..., Dataset]:  # type: ignore[type-arg]
+    def make(cache: pathlib.Path, quick: bool, data: pathlib.Path | None, n: int) -> Dataset:  # type: ignore[type-arg]
+        count = 200_000 if quick else 2_000_000
+        if shared:
+            import shmloader
+
+            return Index(shmloader.share(index_entries(count)), n)
+        return Index(list(index_entries(count)), n)
+
+    return make
 
 
 class Jpegs(Dataset):  # type: ignore[type-arg]
@@ -181,6 +217,10 @@ WORKLOADS: dict[str, Workload] = {
             lambda cache, quick, data, n: TokenWindows(token_file(cache, 20 if quick else 200, data), n),
             "32 random windows of 1,025 uint16 tokens via np.memmap -> (input, target) int64",
         ),
+        Workload("index", 64, 300, 100, _index(shared=False),
+                 "64 reads of a 2M-entry index of dicts (200k with --quick), a plain list: workers copy it"),
+        Workload("shared-index", 64, 300, 100, _index(shared=True),
+                 "the same index through shmloader.share(): stored once, read by every worker in place"),
         Workload(
             "varlen", 32, 300, 100, lambda cache, quick, data, n: Sentences(n),
             "dynamic padding: 32 sequences of 8..512 int64 tokens in random order, padded, mask, raw strings",

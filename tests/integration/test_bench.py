@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import pathlib
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -149,3 +151,80 @@ def test_peak_memory_counts_a_child_read_between_pss_reads() -> None:
     finally:
         child.communicate("")
     assert memory.stop() - before >= 64 << 20
+
+
+def _shm_names() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def test_ceiling_runs_a_bare_ring_beside_the_loaders(tmp_path: pathlib.Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    before = _shm_names()
+    out = tmp_path / "c.json"
+    assert cli.main(["bench", "--ceiling", "--quick", "--workloads", "tiny", "--batches", "20", "--repeats", "1",
+                     "--rounds", "2", "--cpu", "--latency", "--step-ms", "0.1", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| workload | loader | batches/s (median; each round) | share of the bare ring | vs torch |" in text
+    assert "| tiny | ceiling |" in text and "main user µs" in text and "next() p50 µs" in text
+    data = json.loads(out.read_text())
+    assert data["notes"] == []
+    rows = {r["loader"]: r for r in data["results"]}
+    assert list(rows) == ["ceiling", "torch", "shmloader"]  # --ceiling's defaults: the ring, torch, the product
+    assert rows["ceiling"]["ratio_to_ceiling"] == 1.0 and rows["torch"]["ratio_to_torch"] == 1.0
+    for r in rows.values():
+        assert r["ratio_to_ceiling"] > 0 and len(r["round_rates"]) == 2
+        split = r["cpu_us"]
+        assert split["main_user"] + split["main_system"] > 0 and split["main_switches"] >= 0
+        p50, p90, p99 = r["next_us"]
+        assert 0 <= p50 <= p90 <= p99
+    assert _shm_names() <= before  # the ring's memory and semaphores have no names left behind
+
+
+class Numbered:
+    """Sample i: int64[3] all equal to i."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> Any:
+        import torch
+
+        return torch.full((3,), i, dtype=torch.int64)
+
+
+def test_the_bare_ring_delivers_every_batch_in_order_and_stops_its_workers() -> None:
+    import torch
+
+    from shmloader._bench.ceiling import BareRing
+
+    ring = BareRing(Numbered(), batch_size=4, num_workers=2, prefetch_factor=2)
+    want = [torch.arange(i, i + 4)[:, None].expand(4, 3) for i in range(0, 40, 4)]
+    for _ in range(2):  # epochs
+        got = [batch.clone() for batch in ring]
+        assert len(got) == 10 and all(torch.equal(a, b) for a, b in zip(got, want))
+    pids = list(ring.pids)
+    ring.close()
+    for pid in pids:
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)  # reaped
+
+
+def test_the_ceiling_imports_nothing_of_the_product() -> None:
+    import ast
+
+    from shmloader._bench import ceiling
+
+    tree = ast.parse(pathlib.Path(ceiling.__file__).read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {"." * node.level + (node.module or "") for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not [name for name in imported if name.startswith((".", "shmloader"))], imported
+
+
+def test_index_workloads_read_a_plain_list_and_a_shared_one(tmp_path: pathlib.Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "i.json"
+    assert cli.main(["bench", "--quick", "--workloads", "index,shared-index", "--loaders", "shmloader,dataset",
+                     "--batches", "5", "--repeats", "1", "--json", str(out)]) == 0
+    capsys.readouterr()
+    rows = {(r["workload"], r["loader"]) for r in json.loads(out.read_text())["results"]}
+    assert rows == {(w, ld) for w in ("index", "shared-index") for ld in ("shmloader", "dataset")}
