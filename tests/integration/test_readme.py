@@ -52,3 +52,10 @@ def stop_workers(namespace: dict[str, Any]) -> None:
 def test_readme_blocks_ran_in_order() -> None:
     # The blocks share one namespace; a failed one explains the failures after it.
     assert "__failed__" not in NAMESPACE, f"README block {NAMESPACE.get('__failed__', -1) + 1} failed"
+
+
+def test_readme_blocks_that_print_figures_assert_them() -> None:
+    # A printed figure is a claim: the block checks it, after printing it.
+    for number, block in enumerate(BLOCKS):
+        if "print(" in block:
+            assert "assert " in block.split("print(", 1)[1], f"README block {number + 1} prints what it never asserts"
