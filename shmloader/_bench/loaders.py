@@ -1,5 +1,8 @@
 """The loaders compared side by side. A peer that is not installed is reported, never dropped.
 
+``nodes-thread`` and ``nodes-process`` are torchdata.nodes' pipeline, the one PyTorch
+recommends past the DataLoader, with its map step in threads or in processes.
+
 Two rows are yardsticks, not peers: ``dataset`` (the dataset and its collate alone, in the
 main process: what a batch costs before any loader moves it) and ``ceiling`` (the bare ring
 of ``ceiling.py``: the transport with none of the product's features)."""
@@ -62,6 +65,53 @@ def _torchdata(ds: Dataset, bs: int, nw: int, pf: int, budget: str | None, **kw:
     return StatefulDataLoader(ds, batch_size=bs, num_workers=nw, prefetch_factor=pf, **kw)
 
 
+class _FetchAndCollate:
+    """torchdata.nodes' map function: a batch's indices to its collated batch (picklable, for
+    the process mode)."""
+
+    def __init__(self, dataset: Any, collate_fn: Callable[[Any], Any] | None) -> None:
+        self.dataset = dataset
+        self.collate_fn = collate_fn or torch.utils.data.default_collate
+
+    def __call__(self, indices: list[int]) -> Any:
+        return self.collate_fn([self.dataset[i] for i in indices])
+
+
+class _Nodes:
+    """torchdata.nodes' recommended pipeline past the DataLoader: SamplerWrapper → Batcher →
+    ParallelMapper (threads or processes) → Prefetcher → Loader, one epoch per ``iter()``."""
+
+    def __init__(self, ds: Any, bs: int, nw: int, pf: int, method: str, collate_fn: Callable[[Any], Any] | None,
+                 shuffle: bool, generator: torch.Generator | None) -> None:
+        from torchdata import nodes
+
+        sampler: Any = (torch.utils.data.RandomSampler(ds, generator=generator) if shuffle
+                        else torch.utils.data.SequentialSampler(ds))
+        node: Any = nodes.Batcher(nodes.SamplerWrapper(sampler), batch_size=bs, drop_last=False)
+        node = nodes.ParallelMapper(node, _FetchAndCollate(ds, collate_fn), num_workers=nw, in_order=True,
+                                    method=method)  # type: ignore[arg-type]
+        self.root = nodes.Prefetcher(node, prefetch_factor=pf)
+        self.loader = nodes.Loader(self.root)
+
+    def __iter__(self) -> Any:
+        return iter(self.loader)
+
+    def close(self) -> None:
+        """Stop the prefetch thread and the mapper's threads or processes (each node's iterator
+        owns them)."""
+        for node in (self.root, self.root.source):
+            shutdown = getattr(getattr(node, "_it", None), "_shutdown", None)
+            if shutdown is not None:
+                shutdown()
+
+
+def _nodes(method: str) -> Callable[..., Any]:
+    def make(ds: Dataset, bs: int, nw: int, pf: int, budget: str | None, **kw: Any) -> Any:  # type: ignore[type-arg]
+        return _Nodes(ds, bs, nw, pf, method, kw.get("collate_fn"), kw.get("shuffle", False), kw.get("generator"))
+
+    return make
+
+
 def _dataset(ds: Dataset, bs: int, nw: int, pf: int, budget: str | None, **kw: Any) -> Any:  # type: ignore[type-arg]
     kw.pop("persistent_workers", None)
     return torch.utils.data.DataLoader(ds, batch_size=bs, num_workers=0, **kw)
@@ -82,6 +132,8 @@ LOADERS: dict[str, Loader] = {
         Loader("shmloader", "shmloader", "shmloader", _shmloader),
         Loader("spdl", "spdl.dataloader", "spdl", _spdl),
         Loader("torchdata", "torchdata.stateful_dataloader", "torchdata", _torchdata),
+        Loader("nodes-thread", "torchdata.nodes", "torchdata", _nodes("thread")),
+        Loader("nodes-process", "torchdata.nodes", "torchdata", _nodes("process")),
         Loader("dataset", "torch", "torch", _dataset),
     ]
 }
