@@ -100,9 +100,12 @@ class _Nodes:
         """Stop the prefetch thread and the mapper's threads or processes (each node's iterator
         owns them)."""
         for node in (self.root, self.root.source):
-            shutdown = getattr(getattr(node, "_it", None), "_shutdown", None)
-            if shutdown is not None:
-                shutdown()
+            it = getattr(node, "_it", None)
+            while it is not None:  # (ParallelMapper's iterator is a node with an iterator of its own)
+                shutdown = getattr(it, "_shutdown", None)
+                if shutdown is not None:
+                    shutdown()
+                it = getattr(it, "_it", None)
 
 
 def _nodes(method: str) -> Callable[..., Any]:

@@ -12,9 +12,11 @@ PSS (measured: 18 MB of PSS for 92 MB of segments on the image workload).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import gc
 import os
+import resource
 import statistics
 import threading
 import time
@@ -47,9 +49,10 @@ def _tree(root: int) -> list[int]:
 
 @dataclasses.dataclass
 class Usage:
-    """Time on CPU (the scheduler's, ns-precise), user and system ticks, and context switches
-    (voluntary and not) of some processes. Ticks are 10 ms: alone they would round a short
-    run's workers to nothing, so they only split the time on CPU into user and system."""
+    """Time on CPU (every thread's, live or exited, ns-precise), user and system ticks, and
+    context switches (voluntary and not, of the live threads) of some processes. Ticks are 10
+    ms: alone they would round a short run's workers to nothing, so they only split the time
+    on CPU into user and system."""
 
     on_cpu: float = 0.0
     user_ticks: int = 0
@@ -59,6 +62,10 @@ class Usage:
     def __sub__(self, other: Usage) -> Usage:
         return Usage(self.on_cpu - other.on_cpu, self.user_ticks - other.user_ticks,
                      self.system_ticks - other.system_ticks, self.switches - other.switches)
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(self.on_cpu + other.on_cpu, self.user_ticks + other.user_ticks,
+                     self.system_ticks + other.system_ticks, self.switches + other.switches)
 
     @property
     def user(self) -> float:
@@ -70,25 +77,78 @@ class Usage:
         return self.on_cpu - self.user
 
 
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def _process_cpu(pid: int) -> float | None:
+    """Seconds on CPU of every thread ``pid`` ever had (its process CPU-time clock), or None."""
+    clock = ctypes.c_int()
+    if _LIBC.clock_getcpuclockid(pid, ctypes.byref(clock)) != 0:
+        return None
+    try:
+        return time.clock_gettime_ns(clock.value) / 1e9
+    except OSError:
+        return None  # gone meanwhile
+
+
 def usage(pids: list[int]) -> Usage:
-    """``pids``' CPU time and context switches so far (``/proc/PID/schedstat``, ``stat`` and
-    ``status``); a process gone meanwhile counts nothing."""
-    out = Usage()
+    """``pids``' CPU time and context switches so far (the process CPU-time clock,
+    ``/proc/PID/stat`` and each thread's ``status``); a process gone meanwhile counts nothing."""
+    return sum(_each(pids).values(), Usage())
+
+
+def _each(pids: list[int]) -> dict[int, Usage]:
+    out = {}
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/schedstat") as f:
-                on_cpu = int(f.read().split()[0]) / 1e9
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{pid}/status") as f:
-                switches = sum(int(line.split()[1]) for line in f if "ctxt_switches:" in line)
+            switches = 0
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/status") as f:
+                    switches += sum(int(line.split()[1]) for line in f if "ctxt_switches:" in line)
         except (OSError, IndexError, ValueError):
             continue
-        out.on_cpu += on_cpu
-        out.user_ticks += int(fields[11])
-        out.system_ticks += int(fields[12])
-        out.switches += switches
+        on_cpu = _process_cpu(pid)
+        if on_cpu is not None:
+            out[pid] = Usage(on_cpu, int(fields[11]), int(fields[12]), switches)
     return out
+
+
+def _reaped() -> Usage:
+    """What the children this process reaped used, theirs and their own reaped children's."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return Usage(r.ru_utime + r.ru_stime, round(r.ru_utime * _TICK), round(r.ru_stime * _TICK), r.ru_nvcsw + r.ru_nivcsw)
+
+
+class TreeUsage:
+    """The CPU of this process and of its descendants (the loader's workers, threads included)
+    from now until ``stop()``, whichever of them exit meanwhile or start (a loader that
+    restarts its workers each epoch): the live ones' own clocks, and what the exited ones
+    used, once reaped. This process's includes the memory sampler's thread (``PeakMemory``:
+    about 1% of a CPU, the same for every loader)."""
+
+    def __init__(self) -> None:
+        self.main = os.getpid()
+        self._start = self._read()
+
+    def _read(self) -> tuple[Usage, dict[int, Usage], Usage]:
+        workers = _each([pid for pid in _tree(self.main) if pid != self.main])
+        r = resource.getrusage(resource.RUSAGE_SELF)  # (every thread's, exited ones' too)
+        main = Usage(time.process_time(), round(r.ru_utime * _TICK), round(r.ru_stime * _TICK), r.ru_nvcsw + r.ru_nivcsw)
+        return main, workers, _reaped()
+
+    def stop(self) -> tuple[Usage, Usage]:
+        """(main process, workers) used since the start."""
+        main0, live0, reaped0 = self._start
+        main1, live1, reaped1 = self._read()
+        workers = reaped1 - reaped0
+        for pid, used in live1.items():
+            workers = workers + (used - live0.get(pid, Usage()))
+        for pid, used in live0.items():
+            if pid not in live1:  # exited: its whole life is in what was reaped; its past is not ours
+                workers = workers - used
+        return main1 - main0, workers
 
 
 def pss_bytes(pids: list[int], shared: bool = True) -> int:
@@ -274,9 +334,7 @@ def measure(
         for _ in it:
             pass
     overflow_before = loader.stats().overflow_batches if hasattr(loader, "stats") else 0
-    main = os.getpid()
-    workers = [pid for pid in _tree(main) if pid != main]
-    main0, workers0 = usage([main]), usage(workers)
+    cpu_use = TreeUsage()
     rates, waits = [], []
     clock = time.perf_counter
     for _ in range(repeats):
@@ -296,7 +354,7 @@ def measure(
         rates.append(batches / (clock() - t))
         del kept
     n = batches * repeats
-    main_use, workers_use = usage([main]) - main0, usage(workers) - workers0
+    main_use, workers_use = cpu_use.stop()
     cpu = (main_use.on_cpu + workers_use.on_cpu) / n
     waits.sort()
     memory.sample()  # before the loader stops

@@ -228,3 +228,20 @@ def test_index_workloads_read_a_plain_list_and_a_shared_one(tmp_path: pathlib.Pa
     capsys.readouterr()
     rows = {(r["workload"], r["loader"]) for r in json.loads(out.read_text())["results"]}
     assert rows == {(w, ld) for w in ("index", "shared-index") for ld in ("shmloader", "dataset")}
+
+
+def test_torchdata_nodes_peers_run_in_threads_and_processes_and_stop(tmp_path: pathlib.Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torchdata.nodes")
+    from shmloader._bench.measure import _tree
+
+    out = tmp_path / "n.json"
+    assert cli.main(["bench", "--quick", "--workloads", "tiny,varlen", "--loaders", "torch,nodes-thread,nodes-process",
+                     "--batches", "5", "--repeats", "1", "--json", str(out)]) == 0
+    capsys.readouterr()
+    data = json.loads(out.read_text())
+    assert data["notes"] == []
+    rows = {(r["workload"], r["loader"]): r for r in data["results"]}
+    assert set(rows) == {(w, ld) for w in ("tiny", "varlen") for ld in ("torch", "nodes-thread", "nodes-process")}
+    assert all(r["cpu_ms_per_batch"] > 0 for r in rows.values())  # threads' CPU counts too
+    assert _tree(os.getpid()) == [os.getpid()]  # every peer's workers stopped
