@@ -23,6 +23,7 @@ import mmap
 import os
 import pickle
 import select
+import socket
 import struct
 import sys
 import time
@@ -140,6 +141,17 @@ class Mailbox:
         self.parent = parent
         self.check_s = check_s
         self._kept: dict[tuple[str, int], tuple[Any, ...]] = {}
+        self._socket: socket.socket | None = None  # over a dup of conn: descriptors come through it
+
+    def _recv_fd(self) -> int:
+        """A descriptor sent as ``reduction.send_handle`` sends it, through a socket made once
+        (each batch's overflow memory comes this way while the user holds the ring)."""
+        if self._socket is None:
+            self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(self.conn.fileno()))
+        _, fds, _, _ = socket.recv_fds(self._socket, 1, 1)
+        if not fds:
+            raise EOFError("the main process closed the connection before sending a descriptor")
+        return int(fds[0])
 
     def expect(self, kind: str, slot: int = -1) -> tuple[Any, ...] | None:
         """The message ``(kind, slot, ...)``; None when told to stop or the loader is gone."""
@@ -151,7 +163,7 @@ class Mailbox:
             if msg[0] == "stop":
                 return None
             if msg[0] == "memory":
-                msg = (*msg, reduction.recv_handle(self.conn) if msg[2] > 0 else -1)
+                msg = (*msg, self._recv_fd() if msg[2] > 0 else -1)
             elif msg[0] == "ring":
                 msg = (*msg, reduction.recv_handle(self.conn))
             self._kept[(msg[0], msg[1])] = msg

@@ -48,6 +48,7 @@ def test_stop_reaps_a_worker_that_exits_after_its_timed_join() -> None:
     pool.procs = [ExitsAfterItsTimedJoin(), ExitsAfterItsTimedJoin()]
     pool.conns = [Conn(), Conn()]
     pool.stopped = False
+    pool._fd_sockets = {}
     pool.stop()
     assert all(p.reaped for p in pool.procs)  # before the fix: exitcode 0, never joined, two pipes open
 
@@ -70,12 +71,16 @@ class Broken(Conn):
     def send(self, msg: Any) -> None:
         raise BrokenPipeError(32, "Broken pipe")
 
+    def send_bytes(self, payload: bytes) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
 
 def pool_of(proc: Any) -> WorkerPool:
     pool = object.__new__(WorkerPool)
     pool.procs = [proc]
     pool.conns = [Broken()]
     pool.stopped = False
+    pool._fd_sockets = {}
     return pool
 
 
