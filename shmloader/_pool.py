@@ -30,9 +30,6 @@ class WorkerPool:
         self.conns: list[Any] = []
         self.configs = configs
         self.stopped = False
-        # wid -> (its connection, a socket over a dup of it): descriptors sent with each
-        # batch's overflow memory, without making a socket object per batch
-        self._fd_sockets: dict[int, tuple[Any, socket.socket]] = {}
         try:
             for cfg in configs:
                 proc, conn = self._start(cfg, doorbell)
@@ -123,24 +120,19 @@ class WorkerPool:
         Sent once per batch while the user holds the ring, so it costs what it must: the
         message as ``Connection.send`` frames it, pickled plainly (multiprocessing's pickler
         copies every registered reducer per call: ~70 µs), and the descriptor as
-        ``reduction.send_handle`` sends it (one byte with it), over a socket made once."""
+        ``reduction.send_handle`` sends it (one byte with it), without duplicating the
+        connection's descriptor for it."""
         conn = self.conns[wid]
         try:
             conn.send_bytes(pickle.dumps(("memory", slot, size), pickle.HIGHEST_PROTOCOL))
             if size > 0:
-                fds = array.array("i", [fd])
-                self._fd_socket(wid, conn).sendmsg([b"\x01"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=conn.fileno())
+                try:
+                    sock.sendmsg([b"\x01"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+                finally:
+                    sock.detach()  # (the descriptor stays the connection's)
         except OSError as error:
             self._dead_or_raise(wid, error)
-
-    def _fd_socket(self, wid: int, conn: Any) -> socket.socket:
-        cached = self._fd_sockets.get(wid)
-        if cached is None or cached[0] is not conn:  # (a replaced worker has a new connection)
-            if cached is not None:
-                cached[1].close()
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(conn.fileno()))
-            cached = self._fd_sockets[wid] = (conn, sock)
-        return cached[1]
 
     def send(self, wid: int, msg: tuple[Any, ...], fd: int | None = None, dead_ok: bool = False) -> bool:
         """Send ``msg`` to worker ``wid``, then the descriptor ``fd`` if given (the worker reads
@@ -208,9 +200,6 @@ class WorkerPool:
             # after its timed join, seen only through ``exitcode``, would otherwise stay in
             # multiprocessing's children with its two pipes open until the next start.
             proc.join()
-        for _, sock in self._fd_sockets.values():
-            sock.close()
-        self._fd_sockets.clear()
         for conn in self.conns:
             try:
                 conn.close()

@@ -141,14 +141,16 @@ class Mailbox:
         self.parent = parent
         self.check_s = check_s
         self._kept: dict[tuple[str, int], tuple[Any, ...]] = {}
-        self._socket: socket.socket | None = None  # over a dup of conn: descriptors come through it
 
     def _recv_fd(self) -> int:
-        """A descriptor sent as ``reduction.send_handle`` sends it, through a socket made once
-        (each batch's overflow memory comes this way while the user holds the ring)."""
-        if self._socket is None:
-            self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(self.conn.fileno()))
-        _, fds, _, _ = socket.recv_fds(self._socket, 1, 1)
+        """A descriptor sent as ``reduction.send_handle`` sends it, read without duplicating the
+        connection's descriptor (each batch's overflow memory comes this way while the user
+        holds the ring)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=self.conn.fileno())
+        try:
+            _, fds, _, _ = socket.recv_fds(sock, 1, 1)
+        finally:
+            sock.detach()  # (the descriptor stays the connection's)
         if not fds:
             raise EOFError("the main process closed the connection before sending a descriptor")
         return int(fds[0])

@@ -48,7 +48,6 @@ def test_stop_reaps_a_worker_that_exits_after_its_timed_join() -> None:
     pool.procs = [ExitsAfterItsTimedJoin(), ExitsAfterItsTimedJoin()]
     pool.conns = [Conn(), Conn()]
     pool.stopped = False
-    pool._fd_sockets = {}
     pool.stop()
     assert all(p.reaped for p in pool.procs)  # before the fix: exitcode 0, never joined, two pipes open
 
@@ -80,7 +79,6 @@ def pool_of(proc: Any) -> WorkerPool:
     pool.procs = [proc]
     pool.conns = [Broken()]
     pool.stopped = False
-    pool._fd_sockets = {}
     return pool
 
 
