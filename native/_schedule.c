@@ -986,27 +986,22 @@ static int set_rr(Scheduler *t, PyObject *v, void *c) {
 static PyObject *get_in_order(Scheduler *t, void *c) { return PyBool_FromLong(t->in_order); }
 static PyObject *get_own(Scheduler *t, void *c) { return PyBool_FromLong(t->own); }
 
-static int set_own(Scheduler *t, PyObject *v, void *c) {
+/* A boolean attribute's setter: `v`'s truth into *flag; deleting it is refused. */
+static int set_flag(int *flag, PyObject *v, const char *name) {
     int b = v == NULL ? -1 : PyObject_IsTrue(v);
     if (b < 0) {
-        if (v == NULL) PyErr_SetString(PyExc_AttributeError, "cannot delete own");
+        if (v == NULL) PyErr_Format(PyExc_AttributeError, "cannot delete %s", name);
         return -1;
     }
-    t->own = b;
+    *flag = b;
     return 0;
 }
+
+static int set_own(Scheduler *t, PyObject *v, void *c) { return set_flag(&t->own, v, "own"); }
 static PyObject *get_sampler_done(Scheduler *t, void *c) { return PyBool_FromLong(t->sampler_done); }
 static PyObject *get_has_unposted(Scheduler *t, void *c) { return PyBool_FromLong(PyList_GET_SIZE(t->unposted) > 0); }
 
-static int set_sampler_done(Scheduler *t, PyObject *v, void *c) {
-    int b = v == NULL ? -1 : PyObject_IsTrue(v);
-    if (b < 0) {
-        if (v == NULL) PyErr_SetString(PyExc_AttributeError, "cannot delete sampler_done");
-        return -1;
-    }
-    t->sampler_done = b;
-    return 0;
-}
+static int set_sampler_done(Scheduler *t, PyObject *v, void *c) { return set_flag(&t->sampler_done, v, "sampler_done"); }
 
 static PyObject *get_load(Scheduler *t, void *c) {
     PyObject *out = PyTuple_New(t->n_workers);
