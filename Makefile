@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 
 .PHONY: test check bench soak typecheck clean
 
-$(VENV)/.installed: pyproject.toml setup.py $(wildcard native/*.c)
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard native/*.c native/*.cpp)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"

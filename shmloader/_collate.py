@@ -41,6 +41,19 @@ ALIAS_SPAN = 4
 _VIEW_CACHE = 256  # leaf views a writer keeps (a batch with many leaves, shapes that vary: start over)
 
 
+def _exact_stack() -> Callable[[Any, torch.Tensor], bool] | None:
+    """``_tensors.stack_into`` (torch.stack into a slot as one memcpy per plain sample), when
+    the C++ extension was built against the torch that runs; None otherwise (torch.stack)."""
+    try:
+        from . import _tensors
+    except ImportError:
+        return None
+    return _tensors.stack_into if _tensors.TORCH_VERSION == torch.__version__ else None
+
+
+_stack_into = _exact_stack()
+
+
 class SlotWriter:
     """Allocates leaves in one slot's data region and records the leaf table."""
 
@@ -278,19 +291,20 @@ class SlotWriter:
         leaf table; the writer is then as ``finish`` leaves it. Returns the batch, or None when
         the samples are not like that (nothing was written: collate them the general way)."""
         plan = self._stacks.get(self.data_off)
-        if plan is None or len(samples) != plan.n:
+        if plan is None or len(samples) != plan.n or plan.layout[3] > self.capacity:
             return None
-        elem = samples[0]
-        if (type(elem) is not torch.Tensor or elem.shape != plan.shape or elem.is_nested
-                or elem.layout is not _STRIDED or not elem.is_cpu):
-            return None
-        if _native.same_attr(samples, "dtype") is not plan.dtype or plan.layout[3] > self.capacity:
-            return None
-        try:
-            if torch.stack(samples, 0, out=plan.out) is not plan.out:
-                return None  # a tensor subclass among the samples made it another object
-        except RuntimeError:
-            return None  # unequal shapes: the general way raises torch's own error
+        if _stack_into is None or not _stack_into(samples, plan.out):  # plain samples: one memcpy each
+            elem = samples[0]
+            if (type(elem) is not torch.Tensor or elem.shape != plan.shape or elem.is_nested
+                    or elem.layout is not _STRIDED or not elem.is_cpu):
+                return None
+            if _native.same_attr(samples, "dtype") is not plan.dtype:
+                return None
+            try:
+                if torch.stack(samples, 0, out=plan.out) is not plan.out:
+                    return None  # a tensor subclass among the samples made it another object
+            except RuntimeError:
+                return None  # unequal shapes: the general way raises torch's own error
         self.used = plan.used
         self._write_lone(plan.layout)
         return plan.out
@@ -346,6 +360,9 @@ def _stack_into_slot(
         return torch.stack(batch, 0)  # (quantized: as default_collate stacks them in the main process)
     shape = elem.shape
     out = writer.tensor(dtype, (len(batch), *shape))
+    if _stack_into is not None and _stack_into(batch, out):  # plain samples: one memcpy each
+        writer._stacked = (len(batch), shape, dtype, out)
+        return out
     try:
         stacked = torch.stack(batch, 0, out=out)
     except RuntimeError:

@@ -1,0 +1,94 @@
+/* shmloader._tensors: what needs torch's C++ API (a worker's stack into its slot).
+
+   Built only where torch is importable at build time (`make` installs it first and builds
+   without isolation); it records the torch version it was built against, and shmloader uses
+   it only under that version (shmloader/_collate.py). Without it, torch.stack does the same
+   work at about twenty times the cost for a batch of small samples: torch's per-tensor
+   overhead in stack, not the bytes, is what a small batch's worker spends its time on.
+*/
+#include <Python.h>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cstring>
+
+#define STR_(x) #x
+#define STR(x) STR_(x)
+
+namespace {
+
+/* A sample memcpy copies exactly as torch.stack's copy would: a plain CPU tensor of the
+   batch's dtype and sample shape, contiguous, with nothing that a copy resolves (conjugate
+   or negative bit, zero tensor) and nothing that stack(out=) refuses (requires_grad). */
+bool plain_sample(const at::Tensor &t, const at::Tensor &out) {
+    if (t.layout() != c10::kStrided || !t.device().is_cpu() || t.is_nested() || !t.has_storage()) return false;
+    if (t.scalar_type() != out.scalar_type() || t.requires_grad() || t.is_conj() || t.is_neg() || t._is_zerotensor())
+        return false;
+    if (t.dim() + 1 != out.dim() || !t.is_contiguous()) return false;
+    for (int64_t d = 0; d < t.dim(); d++)
+        if (t.size(d) != out.size(d + 1)) return false;
+    return true;
+}
+
+bool overlaps(const char *a, size_t na, const char *b, size_t nb) { return a < b + nb && b < a + na; }
+
+PyObject *stack_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !THPVariable_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "stack_into takes a list of samples and the tensor to stack them into");
+        return NULL;
+    }
+    PyObject *samples = args[0];
+    if (!PyList_CheckExact(samples) && !PyTuple_CheckExact(samples)) Py_RETURN_FALSE;
+    try {
+        const at::Tensor &out = THPVariable_Unpack(args[1]);
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(samples);
+        if (n == 0 || out.dim() < 1 || out.size(0) != n || out.layout() != c10::kStrided || !out.device().is_cpu() ||
+            !out.is_contiguous() || out.requires_grad() || !out.has_storage())
+            Py_RETURN_FALSE;
+        char *dst = static_cast<char *>(out.data_ptr());
+        size_t total = out.nbytes(), each = total / static_cast<size_t>(n);
+        /* Every sample checked before any byte is written: on False the slot is as it was. */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *item = PySequence_Fast_GET_ITEM(samples, i);
+            if (!THPVariable_CheckExact(item)) Py_RETURN_FALSE; /* subclasses: their __torch_function__ */
+            const at::Tensor &t = THPVariable_Unpack(item);
+            if (!plain_sample(t, out) || t.nbytes() != each) Py_RETURN_FALSE;
+            if (each && overlaps(static_cast<const char *>(t.const_data_ptr()), each, dst, total))
+                Py_RETURN_FALSE; /* torch.stack raises for a sample inside its output */
+        }
+        if (each) {
+            for (Py_ssize_t i = 0; i < n; i++) {
+                const at::Tensor &t = THPVariable_Unpack(PySequence_Fast_GET_ITEM(samples, i));
+                std::memcpy(dst + static_cast<size_t>(i) * each, t.const_data_ptr(), each);
+            }
+        }
+        out.unsafeGetTensorImpl()->bump_version(); /* an in-place write, as stack(out=) counts it */
+    } catch (const std::exception &e) {
+        PyErr_SetString(PyExc_RuntimeError, e.what());
+        return NULL;
+    }
+    Py_RETURN_TRUE;
+}
+
+PyMethodDef methods[] = {
+    {"stack_into", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(stack_into)), METH_FASTCALL,
+     "stack_into($module, samples, out, /)\n--\n\n"
+     "torch.stack(samples, 0, out=out) as one memcpy per sample, for a list or tuple of plain contiguous CPU tensors\n"
+     "of out's dtype and sample shape (exact torch.Tensor, no grad, conjugate or negative bit, not\n"
+     "inside out). Returns True when it stacked them; False, having written nothing, for anything\n"
+     "else (torch.stack then does it, or raises its own error)."},
+    {NULL, NULL, 0, NULL},
+};
+
+struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "shmloader._tensors", "What needs torch's C++ API (see native/_tensors.cpp).", -1, methods,
+};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__tensors(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddStringConstant(m, "TORCH_VERSION", STR(SHMLOADER_TORCH_VERSION)) < 0) Py_CLEAR(m);
+    return m;
+}

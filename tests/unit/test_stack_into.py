@@ -1,0 +1,156 @@
+"""``_tensors.stack_into``: torch.stack(samples, 0, out=out) as one memcpy per plain sample.
+
+It must stack exactly what torch.stack stacks, bit for bit, and refuse (False, nothing
+written) every sample whose copy is not a plain memcpy, so that torch.stack then does it or
+raises its own error. ``make`` builds it (torch is installed before the package): the default
+test run checks it is there, so the fast path is the one under test.
+"""
+
+from __future__ import annotations
+
+import mmap
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import default_collate
+
+from shmloader import _collate, _tensors
+from shmloader._collate import SlotWriter, slot_collate_map
+from shmloader._layout import CODE_OF_DTYPE
+from tests.conftest import same
+
+stack_into = _tensors.stack_into
+SENTINEL = 0x5A  # out's bytes before a refused call: a refusal writes none
+
+
+def fresh_out(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    out = torch.empty(shape, dtype=dtype)
+    out.view(torch.uint8).fill_(SENTINEL) if out.numel() else None
+    return out
+
+
+def untouched(out: torch.Tensor) -> bool:
+    return bool((out.contiguous().view(torch.uint8) == SENTINEL).all()) if out.numel() else True
+
+
+def samples_of(dtype: torch.dtype, n: int = 5, shape: tuple[int, ...] = (3, 4)) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(n)
+    raw = torch.randint(0, 256, (n, 16 * max(1, torch.Size(shape).numel())), dtype=torch.uint8, generator=g)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return [raw[i, : itemsize * torch.Size(shape).numel()].view(dtype).view(shape) for i in range(n)]
+
+
+def test_the_extension_is_built_for_this_torch() -> None:
+    assert _tensors.TORCH_VERSION == torch.__version__
+    assert _collate._stack_into is stack_into
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize("dtype", list(CODE_OF_DTYPE), ids=str)
+def test_every_dtype_is_stacked_as_torch_stacks_it(dtype: torch.dtype) -> None:
+    samples = samples_of(dtype)
+    want = torch.empty((5, 3, 4), dtype=dtype)
+    torch.stack(samples, 0, out=want)
+    out = fresh_out((5, 3, 4), dtype)
+    assert stack_into(samples, out) is True
+    assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (1,), (2, 0, 3), (7, 1, 1)], ids=str)
+def test_odd_sample_shapes(shape: tuple[int, ...]) -> None:
+    samples = [torch.full(shape, float(i)) for i in range(4)]
+    out = torch.empty((4, *shape))
+    assert stack_into(samples, out) is True
+    same(out, torch.stack(samples))
+    assert stack_into(tuple(samples), out) is True  # torch's collate hands tuples of a sequence's fields
+
+
+def test_a_write_is_counted_in_the_version_as_stack_counts_it() -> None:
+    samples, out = samples_of(torch.float32), torch.empty((5, 3, 4))
+    before = out._version
+    assert stack_into(samples, out)
+    assert out._version == before + 1
+
+
+class Sub(torch.Tensor):
+    pass
+
+
+def refusals() -> list[tuple[str, Any, torch.Tensor]]:
+    base = samples_of(torch.float32)
+    out = fresh_out((5, 3, 4), torch.float32)
+    wide = [torch.zeros(4, 3) for _ in range(5)]
+    complex_ = [torch.zeros(3, 4, dtype=torch.complex64) for _ in range(5)]
+    cases = [
+        ("a subclass", base[:4] + [base[4].as_subclass(Sub)], out),
+        ("not contiguous", base[:4] + [wide[0].t()], out),
+        ("another dtype", base[:4] + [base[4].double()], out),
+        ("another shape", base[:4] + [torch.zeros(3, 5)], out),
+        ("another count", base[:4], out),
+        ("more dims", base[:4] + [torch.zeros(1, 3, 4)], out),
+        ("requires grad", base[:4] + [torch.zeros(3, 4, requires_grad=True)], out),
+        ("a conjugate view", complex_[:4] + [complex_[4].conj()], fresh_out((5, 3, 4), torch.complex64)),
+        ("a negative view", base[:4] + [torch._neg_view(base[4])], out),
+        ("sparse", base[:4] + [torch.zeros(3, 4).to_sparse()], out),
+        ("not a tensor", base[:4] + [3.0], out),
+        ("a generator", (t for t in base), out),
+        ("empty", [], fresh_out((0, 3, 4), torch.float32)),
+        ("out not contiguous", base, fresh_out((4, 3, 5), torch.float32).transpose(0, 2)),
+        ("out needs grad", base, fresh_out((5, 3, 4), torch.float32).requires_grad_()),
+    ]
+    inside = fresh_out((5, 3, 4), torch.float32)
+    cases.append(("a sample inside out", [inside[i] for i in range(5)], inside))
+    return cases
+
+
+@pytest.mark.parametrize("name, samples, out", refusals(), ids=[c[0] for c in refusals()])
+def test_refused_samples_leave_out_untouched(name: str, samples: Any, out: torch.Tensor) -> None:
+    assert stack_into(samples, out) is False
+    if name != "a sample inside out":
+        assert untouched(out.detach())
+
+
+def test_a_non_tensor_out_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="stack_into takes"):
+        stack_into([torch.zeros(2)], [torch.zeros(2)])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["stack_into", "torch.stack"])
+@pytest.mark.parametrize(
+    "samples",
+    [
+        [torch.arange(12.0).view(3, 4) + i for i in range(6)],
+        [{"x": torch.arange(4) * i, "y": (torch.ones(2, dtype=torch.bool), torch.tensor(i))} for i in range(6)],
+        [torch.arange(8.0).view(2, 4).t() + i for i in range(6)],  # not contiguous: torch.stack
+        [torch.tensor([i], dtype=torch.int64 if i % 2 else torch.float64) for i in range(6)],  # promoted
+    ],
+    ids=["tensors", "dict of tuples", "transposed", "mixed dtypes"],
+)
+def test_collate_into_a_slot_equals_default_collate_with_and_without_it(
+        samples: list[Any], fast: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not fast:
+        monkeypatch.setattr(_collate, "_stack_into", None)
+    mm = mmap.mmap(-1, 1 << 16)
+    writer = SlotWriter(mm)
+    fn_map = slot_collate_map(writer)
+    for _ in range(3):  # the first batch the general way, the next ones stack_lone's
+        writer.begin(4096, 1 << 15)
+        batch = writer.stack_lone(samples) if isinstance(samples[0], torch.Tensor) else None
+        if batch is None:
+            batch = torch.utils.data._utils.collate.collate(samples, collate_fn_map=fn_map)
+            writer.finish(batch)
+        same(batch, default_collate(samples))
+
+
+def test_a_build_for_another_torch_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_tensors, "TORCH_VERSION", "0.0.0")
+    assert _collate._exact_stack() is None
+    monkeypatch.undo()
+    assert _collate._exact_stack() is stack_into
+
+
+def test_it_has_a_text_signature() -> None:
+    import inspect
+
+    assert str(inspect.signature(stack_into)) == "(samples, out, /)"
