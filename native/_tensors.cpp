@@ -1,4 +1,5 @@
-/* shmloader._tensors: what needs torch's C++ API (a worker's stack into its slot).
+/* shmloader._tensors: what needs torch's C++ API (a worker's stack into its slot; the tensor
+   the main process lends over a slot).
 
    Built only where torch is importable at build time (`make` installs it first and builds
    without isolation); it records the torch version it was built against, and shmloader uses
@@ -71,7 +72,75 @@ PyObject *stack_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_RETURN_TRUE;
 }
 
+/* The torch dtype of a buffer's format, as numpy exports its native dtypes. */
+bool scalar_type_of(const Py_buffer &b, c10::ScalarType *out) {
+    const char *f = b.format;
+    if (f == NULL || f[0] == '\0') return false;
+    if (f[0] == '@' || f[0] == '=' || f[0] == '<') f++;
+    bool complex = f[0] == 'Z';
+    if (complex) f++;
+    if (f[0] == '\0' || f[1] != '\0') return false;
+    switch (f[0]) {
+        case '?': *out = c10::kBool; return b.itemsize == 1;
+        case 'b': *out = c10::kChar; return b.itemsize == 1;
+        case 'B': *out = c10::kByte; return b.itemsize == 1;
+        case 'h': *out = c10::kShort; return b.itemsize == 2;
+        case 'H': *out = c10::kUInt16; return b.itemsize == 2;
+        case 'i': case 'I': case 'l': case 'L': case 'q': case 'Q': {
+            bool is_signed = f[0] == 'i' || f[0] == 'l' || f[0] == 'q';
+            if (b.itemsize == 4) *out = is_signed ? c10::kInt : c10::kUInt32;
+            else if (b.itemsize == 8) *out = is_signed ? c10::kLong : c10::kUInt64;
+            else return false;
+            return !complex;
+        }
+        case 'e': *out = c10::kHalf; return b.itemsize == 2 && !complex;
+        case 'f': *out = complex ? c10::kComplexFloat : c10::kFloat; return b.itemsize == (complex ? 8 : 4);
+        case 'd': *out = complex ? c10::kComplexDouble : c10::kDouble; return b.itemsize == (complex ? 16 : 8);
+    }
+    return false;
+}
+
+PyObject *from_array(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 1) {
+        PyErr_SetString(PyExc_TypeError, "from_array takes one C-contiguous writable array");
+        return NULL;
+    }
+    PyObject *array = args[0];
+    Py_buffer b;
+    if (PyObject_GetBuffer(array, &b, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    c10::ScalarType type;
+    bool known = scalar_type_of(b, &type);
+    std::vector<int64_t> sizes(b.shape, b.shape + b.ndim);
+    void *data = b.buf;
+    PyBuffer_Release(&b); /* the tensor keeps the array itself, and the array its own export */
+    if (!known) {
+        PyErr_SetString(PyExc_TypeError, "from_array: a dtype torch has no tensor of");
+        return NULL;
+    }
+    try {
+        Py_INCREF(array);
+        at::Tensor t = at::from_blob(
+            data, sizes,
+            [array](void *) {
+                if (!Py_IsInitialized()) return; /* (the interpreter is gone: so is the array) */
+                PyGILState_STATE gil = PyGILState_Ensure();
+                Py_DECREF(array);
+                PyGILState_Release(gil);
+            },
+            at::TensorOptions().dtype(type));
+        return THPVariable_Wrap(std::move(t));
+    } catch (const std::exception &e) {
+        PyErr_SetString(PyExc_RuntimeError, e.what());
+        return NULL;
+    }
+}
+
 PyMethodDef methods[] = {
+    {"from_array", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(from_array)), METH_FASTCALL,
+     "from_array($module, array, /)\n--\n\n"
+     "torch.from_numpy(array) for a C-contiguous writable array of a dtype torch has (what\n"
+     "lend_lone makes over a slot), with less of torch's overhead: the tensor shares the array's memory\n"
+     "and keeps the array alive."},
     {"stack_into", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(stack_into)), METH_FASTCALL,
      "stack_into($module, samples, out, /)\n--\n\n"
      "torch.stack(samples, 0, out=out) as one memcpy per sample, for a list or tuple of plain contiguous CPU tensors\n"

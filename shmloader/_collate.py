@@ -27,6 +27,7 @@ import torch
 from torch.utils.data._utils import collate as torch_collate
 
 from . import _native
+from ._accel import TENSORS
 from ._layout import (CODE_OF_DTYPE, CODE_OF_NP_DTYPE, LEAF_ALIGN, LONE_LEAF, STORAGE, TORCH_ONLY_CODES,
                       TYPED_STORAGE, VIEW, Kind, round_up, table_bytes, view_leaf)
 
@@ -40,18 +41,8 @@ _TENSOR_DTYPES = {dtype: (code, dtype.itemsize) for dtype, code in CODE_OF_DTYPE
 ALIAS_SPAN = 4
 _VIEW_CACHE = 256  # leaf views a writer keeps (a batch with many leaves, shapes that vary: start over)
 
-
-def _exact_stack() -> Callable[[Any, torch.Tensor], bool] | None:
-    """``_tensors.stack_into`` (torch.stack into a slot as one memcpy per plain sample), when
-    the C++ extension was built against the torch that runs; None otherwise (torch.stack)."""
-    try:
-        from . import _tensors
-    except ImportError:
-        return None
-    return _tensors.stack_into if _tensors.TORCH_VERSION == torch.__version__ else None
-
-
-_stack_into = _exact_stack()
+# torch.stack into a slot as one memcpy per plain sample (None: the C++ extension is not there)
+_stack_into = None if TENSORS is None else TENSORS.stack_into
 
 
 class SlotWriter:

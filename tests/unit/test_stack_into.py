@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from shmloader import _collate, _tensors
+from shmloader import _accel, _collate, _lease, _tensors
 from shmloader._collate import SlotWriter, slot_collate_map
 from shmloader._layout import CODE_OF_DTYPE
 from tests.conftest import same
@@ -44,6 +44,7 @@ def samples_of(dtype: torch.dtype, n: int = 5, shape: tuple[int, ...] = (3, 4)) 
 def test_the_extension_is_built_for_this_torch() -> None:
     assert _tensors.TORCH_VERSION == torch.__version__
     assert _collate._stack_into is stack_into
+    assert _lease._from_array is _tensors.from_array
 
 
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
@@ -145,9 +146,9 @@ def test_collate_into_a_slot_equals_default_collate_with_and_without_it(
 
 def test_a_build_for_another_torch_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_tensors, "TORCH_VERSION", "0.0.0")
-    assert _collate._exact_stack() is None
+    assert _accel.load() is None
     monkeypatch.undo()
-    assert _collate._exact_stack() is stack_into
+    assert _accel.load() is _tensors
 
 
 def test_it_has_a_text_signature() -> None:
