@@ -1,6 +1,8 @@
 """``_native.lend_lone`` builds what ``read_batch`` builds for a batch that is one tensor in its
 slot, and lends it as ``Leases.lend`` would; for anything else it answers None and changes
-nothing, so that ``read_batch`` builds that batch or says what is wrong with it."""
+nothing, so that ``read_batch`` builds that batch or says what is wrong with it. Every test runs
+with the tensor made by the C++ extension (``_tensors.from_array``) and by ``torch.from_numpy``
+(what runs without it)."""
 
 from __future__ import annotations
 
@@ -13,13 +15,18 @@ import numpy as np
 import pytest
 import torch
 
-from shmloader import CorruptSlotError, _native
+from shmloader import CorruptSlotError, _lease, _native, _tensors
 from shmloader._collate import SlotWriter
 from shmloader._layout import Field, Region, RingGeometry
 from shmloader._lease import lone_args, read_batch
 from shmloader._ring import _Views
 
 GEOMETRY = RingGeometry(num_workers=1, num_slots=3, data_bytes=1 << 19)
+
+
+@pytest.fixture(autouse=True, params=[_tensors.from_array, torch.from_numpy], ids=["from_array", "from_numpy"])
+def tensor_maker(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_lease, "_from_array", request.param)
 
 
 def written(batch: Any, slot: int = 1) -> _Views:

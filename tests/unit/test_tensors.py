@@ -1,16 +1,21 @@
-"""``_tensors.stack_into``: torch.stack(samples, 0, out=out) as one memcpy per plain sample.
+"""The C++ extension ``_tensors``. ``stack_into``: torch.stack(samples, 0, out=out) as one
+memcpy per plain sample; ``from_array``: torch.from_numpy for the array a lent batch is made of.
 
-It must stack exactly what torch.stack stacks, bit for bit, and refuse (False, nothing
-written) every sample whose copy is not a plain memcpy, so that torch.stack then does it or
-raises its own error. ``make`` builds it (torch is installed before the package): the default
+``stack_into`` must stack exactly what torch.stack stacks, bit for bit, and refuse (False,
+nothing written) every sample whose copy is not a plain memcpy, so that torch.stack then does
+it or raises its own error. ``from_array`` must make what torch.from_numpy makes, and keep the
+array alive exactly as long as the tensor's memory. ``make`` builds it (torch is installed before the package): the default
 test run checks it is there, so the fast path is the one under test.
 """
 
 from __future__ import annotations
 
+import gc
 import mmap
+import sys
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import default_collate
@@ -151,7 +156,54 @@ def test_a_build_for_another_torch_is_not_used(monkeypatch: pytest.MonkeyPatch) 
     assert _accel.load() is _tensors
 
 
-def test_it_has_a_text_signature() -> None:
+def test_its_functions_have_text_signatures() -> None:
     import inspect
 
     assert str(inspect.signature(stack_into)) == "(samples, out, /)"
+    assert str(inspect.signature(_tensors.from_array)) == "(array, /)"
+
+
+NP_DTYPES = [np.bool_, np.uint8, np.int8, np.int16, np.int32, np.int64, np.float16, np.float32, np.float64,
+             np.complex64, np.complex128, np.uint16, np.uint32, np.uint64]
+
+
+@pytest.mark.parametrize("dtype", NP_DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape", [(), (0,), (5,), (2, 3, 4)], ids=str)
+def test_from_array_makes_what_from_numpy_makes(dtype: Any, shape: tuple[int, ...]) -> None:
+    array = (np.arange(int(np.prod(shape))) % 7).astype(dtype).reshape(shape)
+    want, got = torch.from_numpy(array), _tensors.from_array(array)
+    assert (got.dtype, got.shape) == (want.dtype, want.shape)
+    assert torch.equal(got, want) and not got.requires_grad
+    if array.size:  # (an empty tensor's strides mean nothing; lend_lone leaves empty batches to read_batch)
+        assert got.stride() == want.stride()
+        assert got.data_ptr() == array.ctypes.data  # shared, not copied
+        got.view(-1)[0] = 1
+        assert array.reshape(-1)[0] == 1
+
+
+def test_from_array_keeps_the_array_as_long_as_its_memory_lives() -> None:
+    array = np.arange(12, dtype=np.float32)
+    before = sys.getrefcount(array)
+    tensor = _tensors.from_array(array)
+    row = tensor[4:]
+    del tensor
+    gc.collect()
+    assert sys.getrefcount(array) == before + 1  # the view keeps the storage, which keeps the array
+    del row
+    gc.collect()
+    assert sys.getrefcount(array) == before
+
+
+@pytest.mark.parametrize(
+    "array, error",
+    [
+        (np.arange(12, dtype=np.float32).reshape(3, 4).T, "contiguous"),
+        (np.frombuffer(b"abcd", dtype=np.uint8), "writable|read-only"),
+        (np.zeros(3, dtype="datetime64[s]"), "format|dtype|buffer"),
+        (np.zeros(2, dtype=">f4"), "dtype torch has no tensor of"),
+    ],
+    ids=["transposed", "read-only", "datetime", "big-endian"],
+)
+def test_from_array_refuses_what_it_cannot_share(array: Any, error: str) -> None:
+    with pytest.raises((TypeError, BufferError, ValueError), match=error):
+        _tensors.from_array(array)
