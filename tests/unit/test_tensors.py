@@ -149,11 +149,13 @@ def test_collate_into_a_slot_equals_default_collate_with_and_without_it(
         same(batch, default_collate(samples))
 
 
-def test_a_build_for_another_torch_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_build_for_another_torch_or_the_environment_variable_leaves_it_unused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_tensors, "TORCH_VERSION", "0.0.0")
     assert _accel.load() is None
     monkeypatch.undo()
     assert _accel.load() is _tensors
+    monkeypatch.setenv("SHMLOADER_NO_TENSORS", "1")
+    assert _accel.load() is None
 
 
 def test_its_functions_have_text_signatures() -> None:
