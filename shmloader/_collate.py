@@ -278,8 +278,9 @@ class SlotWriter:
     def stack_lone(self, samples: list[Any]) -> torch.Tensor | None:
         """The default collate's steady state, in one step: when the last batch written at this
         slot was ``samples``-like plain tensors stacked by ``_stack_into_slot`` (same count,
-        sample shape and dtype), stack these into the same view and write the same skeleton and
-        leaf table; the writer is then as ``finish`` leaves it. Returns the batch, or None when
+        sample shape and dtype), stack these into the same view (one memcpy per plain sample with
+        the C++ extension, else ``torch.stack``) and write the same skeleton and leaf table; the
+        writer is then as ``finish`` leaves it. Returns the batch, or None when
         the samples are not like that (nothing was written: collate them the general way)."""
         plan = self._stacks.get(self.data_off)
         if plan is None or len(samples) != plan.n or plan.layout[3] > self.capacity:
