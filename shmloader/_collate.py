@@ -8,9 +8,10 @@ intermediate batch tensor exists. Whatever else the batch holds (a custom
 skeleton is pickled: the pickler's ``persistent_id`` turns every tensor and numpy
 array into a leaf of the slot, so only metadata is pickled.
 
-When a batch does not fit, the writer keeps measuring into private memory and
-reports the bytes it needed. A writer without a segment (the probe that sizes the
-ring) measures only.
+When a batch does not fit, the writer keeps measuring and reports the bytes it needed:
+the default collate still stacks into private memory (those tensors are the batch), but
+what would be copied in is not copied (a later writer copies it from the batch). A writer
+without a segment (the probe that sizes the ring) measures only.
 """
 
 from __future__ import annotations
@@ -138,14 +139,18 @@ class SlotWriter:
                     self._keep.append(obj)
                     return view
             out = self.tensor(obj.dtype, tuple(obj.shape))
-            if CODE_OF_DTYPE[obj.dtype] < TORCH_ONLY_CODES and obj.dtype is not torch.bfloat16:
+            if not self.fits:
+                pass  # measuring only (past its capacity, or a probe): its leaves are never published
+            elif CODE_OF_DTYPE[obj.dtype] < TORCH_ONLY_CODES and obj.dtype is not torch.bfloat16:
                 out.copy_(obj)
             else:  # float8, sub-byte and bit types: torch copies them as bytes only
                 out.view(torch.uint8).copy_(obj.view(torch.uint8))
             if storage is not None:  # the whole storage: later tensors viewing it share this leaf
                 self._storages.setdefault(storage._cdata, []).append((0, storage.nbytes(), len(self.leaves) - 1))
         elif type(obj) is np.ndarray and obj.dtype in CODE_OF_NP_DTYPE:
-            np.copyto(self.array(obj.dtype, obj.shape), obj, casting="no")
+            out = self.array(obj.dtype, obj.shape)
+            if self.fits:  # (measuring only: never published)
+                np.copyto(out, obj, casting="no")
         else:
             return None
         leaf_id = len(self.leaves) - 1
@@ -176,7 +181,9 @@ class SlotWriter:
     def _bytes_leaf(self, storage: torch.UntypedStorage, lo: int, hi: int) -> int:
         """A uint8 leaf of ``storage``'s bytes [lo, hi), remembered for the tensors that view them."""
         source = torch.empty(0, dtype=torch.uint8).set_(storage, lo, (hi - lo,), (1,))
-        self.tensor(torch.uint8, (hi - lo,)).copy_(source)
+        out = self.tensor(torch.uint8, (hi - lo,))
+        if self.fits:  # (measuring only: never published)
+            out.copy_(source)
         leaf = len(self.leaves) - 1
         self._keep.append(source)  # (keeps the storage, and so its _cdata, alive until finish)
         self._storages.setdefault(storage._cdata, []).append((lo, hi, leaf))
