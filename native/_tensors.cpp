@@ -3,13 +3,15 @@
 
    Built only where torch is importable at build time (`make` installs it first and builds
    without isolation); it records the torch version it was built against, and shmloader uses
-   it only under that version (shmloader/_collate.py). Without it, torch.stack does the same
+   it only under that version (shmloader/_accel.py). Without it, torch.stack does the same
    work at about twenty times the cost for a batch of small samples: torch's per-tensor
    overhead in stack, not the bytes, is what a small batch's worker spends its time on.
 */
 #include <Python.h>
 
 #include <ATen/ATen.h>
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstring>
@@ -41,6 +43,8 @@ PyObject *stack_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     }
     PyObject *samples = args[0];
     if (!PyList_CheckExact(samples) && !PyTuple_CheckExact(samples)) Py_RETURN_FALSE;
+    /* A torch function or dispatch mode would see torch.stack: let it. */
+    if (at::impl::torch_function_mode_enabled() || c10::impl::TorchDispatchModeTLS::any_modes_set()) Py_RETURN_FALSE;
     try {
         const at::Tensor &out = THPVariable_Unpack(args[1]);
         Py_ssize_t n = PySequence_Fast_GET_SIZE(samples);
@@ -118,7 +122,7 @@ PyObject *from_array(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         return NULL;
     }
     try {
-        Py_INCREF(array);
+        Py_INCREF(array); /* (from_blob only throws for sizes a valid buffer cannot have) */
         at::Tensor t = at::from_blob(
             data, sizes,
             [array](void *) {
@@ -139,14 +143,15 @@ PyMethodDef methods[] = {
     {"from_array", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(from_array)), METH_FASTCALL,
      "from_array($module, array, /)\n--\n\n"
      "torch.from_numpy(array) for a C-contiguous writable array of a dtype torch has (what\n"
-     "lend_lone makes over a slot), with less of torch's overhead: the tensor shares the array's memory\n"
-     "and keeps the array alive."},
+     "lend_lone makes over a slot), with less of torch's overhead: the tensor shares the\n"
+     "array's memory and keeps the array alive."},
     {"stack_into", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(stack_into)), METH_FASTCALL,
      "stack_into($module, samples, out, /)\n--\n\n"
-     "torch.stack(samples, 0, out=out) as one memcpy per sample, for a list or tuple of plain contiguous CPU tensors\n"
-     "of out's dtype and sample shape (exact torch.Tensor, no grad, conjugate or negative bit, not\n"
-     "inside out). Returns True when it stacked them; False, having written nothing, for anything\n"
-     "else (torch.stack then does it, or raises its own error)."},
+     "torch.stack(samples, 0, out=out) as one memcpy per sample, for a list or tuple of plain\n"
+     "contiguous CPU tensors of out's dtype and sample shape (exact torch.Tensor, no grad,\n"
+     "conjugate or negative bit, not inside out; no torch function or dispatch mode active).\n"
+     "Returns True when it stacked them; False, having written nothing, for anything else\n"
+     "(torch.stack then does it, or raises its own error)."},
     {NULL, NULL, 0, NULL},
 };
 

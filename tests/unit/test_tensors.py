@@ -117,6 +117,22 @@ def test_refused_samples_leave_out_untouched(name: str, samples: Any, out: torch
         assert untouched(out.detach())
 
 
+def test_a_torch_function_mode_sees_torch_stack() -> None:
+    from torch.overrides import TorchFunctionMode
+
+    class Count(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    samples, out = samples_of(torch.float32), fresh_out((5, 3, 4), torch.float32)
+    with Count():
+        assert stack_into(samples, out) is False
+    assert untouched(out)
+
+
 def test_a_non_tensor_out_is_a_type_error() -> None:
     with pytest.raises(TypeError, match="stack_into takes"):
         stack_into([torch.zeros(2)], [torch.zeros(2)])  # type: ignore[arg-type]
