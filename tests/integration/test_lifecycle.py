@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import shmloader
-from shmloader import _consume, _native, _ring, _shm, _wait
+from shmloader import _consume, _delivery, _native, _ring, _shm, _wait
 from shmloader._layout import DONE
 from shmloader._lease import slot_of
 from shmloader._slots import SlotState
@@ -140,11 +140,53 @@ def test_release_finds_tensors_wherever_the_batch_holds_them() -> None:
 
 
 @pytest.mark.parametrize("in_order", [True, False])
-def test_holding_every_batch_never_deadlocks_and_the_rest_come_in_memory_of_their_own(in_order: bool) -> None:
-    # A replay buffer: list(loader). The ring is never lent whole (the workers need a slot); the
-    # batch that finds it held is copied, and every one after it is written into memory of its
-    # own (the overflow path): views of shared memory, as torch's batches are, freed when dropped.
+def test_holding_every_small_batch_never_deadlocks_and_the_rest_are_copied(in_order: bool) -> None:
+    # A replay buffer of small batches: list(loader). The ring is never lent whole (the workers
+    # need a slot); the batch that finds it held is copied out of its slot, and so is every one
+    # after it (under COPY_HELD_UNDER, a copy costs less than memory of its own): the workers
+    # go on writing into slots, which come back at once.
     from tests.integration.test_overflow import mapped_by_us
+
+    loader = shmloader.DataLoader(Range(200), batch_size=2, num_workers=2, prefetch_factor=2, in_order=in_order)
+    it = iter(loader)
+    kept = [next(it) for _ in range(60)]
+    want = [[[2 * i], [2 * i + 1]] for i in range(100)]
+    assert [b.tolist() for b in kept] == want[:60] if in_order else set(map(str, (b.tolist() for b in kept))) <= set(map(str, want))
+    slots = 2 * 2 + 1
+    assert it.holding() == slots - 1  # every slot but one is lent
+    stats = loader.stats()
+    assert stats.copies == 60 - (slots - 1) and stats.overflow_batches == 0 and stats.ring_growths == 0
+    copied = [b for b in kept if slot_of(it.ring, b) is None]  # type: ignore[arg-type]
+    assert len(copied) == 60 - (slots - 1)
+    maps = [(lo, hi) for lo, hi, name in _shared_maps() if name.startswith(("/dev/shm/", "/memfd:"))]
+    assert maps  # (the ring is among them)
+    for batch in copied:  # private memory: neither the ring nor a memfd of the loader's
+        ptr = batch.untyped_storage().data_ptr()
+        assert not any(lo <= ptr < hi for lo, hi in maps), batch
+    assert not [k for k in mapped_by_us() if "overflow" in k]
+    del copied, batch
+    kept.clear()  # the user lets go of the ring: the rest of the epoch is lent from its slots again
+    gc.collect()
+    lent = []
+    for b in it:
+        kept.append(b.tolist())
+        lent.append(slot_of(it.ring, b) is not None)  # type: ignore[arg-type]
+    assert all(lent) and len(lent) == 40
+    if in_order:
+        assert kept == want[60:]
+    assert loader.stats().copies == 60 - (slots - 1)
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_holding_every_batch_of_a_mib_never_deadlocks_and_the_rest_come_in_memory_of_their_own(
+        in_order: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A replay buffer of batches of COPY_HELD_UNDER bytes and more (lowered here to the test's
+    # small batches): the batch that finds the ring held is copied, and every one after it is
+    # written into memory of its own (the overflow path): views of shared memory, as torch's
+    # batches are, freed when dropped.
+    from tests.integration.test_overflow import mapped_by_us
+
+    monkeypatch.setattr(_delivery, "COPY_HELD_UNDER", 16)
 
     loader = shmloader.DataLoader(Range(200), batch_size=2, num_workers=2, prefetch_factor=2, in_order=in_order)
     it = iter(loader)
@@ -165,6 +207,25 @@ def test_holding_every_batch_never_deadlocks_and_the_rest_come_in_memory_of_thei
     gc.collect()
     assert not [k for k in mapped_by_us() if "overflow" in k]  # freed with the batches
     del it
+
+
+class MiB(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Samples of exactly COPY_HELD_UNDER bytes (1 MiB of float32)."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((_delivery.COPY_HELD_UNDER // 4,), float(i))
+
+
+def test_held_batches_of_a_mib_by_default_come_in_memory_of_their_own() -> None:
+    loader = shmloader.DataLoader(MiB(), batch_size=1, num_workers=2, prefetch_factor=2)
+    kept = list(loader)
+    same(kept, list(torch.utils.data.DataLoader(MiB(), batch_size=1)))
+    stats = loader.stats()
+    assert stats.copies == 1 and stats.overflow_batches == 12 - 5  # the one that found the ring held, then OWN
+    del kept, loader
 
 
 def _shared_maps() -> list[tuple[int, int, str]]:

@@ -15,9 +15,18 @@ import torch
 import torch.utils.data as tud
 
 import shmloader
+from shmloader import _delivery
 from tests.conftest import same
 from tests.datasets import Blocks, Sized, check_blocks
 from tests.integration.test_overflow import mapped_by_us
+
+
+@pytest.fixture(autouse=True)
+def held_batches_in_memory_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests follow batches held in memory of their own (OWN tasks), which batches of a
+    MiB and more take; small test batches take that path here too (by default they are copied
+    out of their slot: test_lifecycle.py)."""
+    monkeypatch.setattr(_delivery, "COPY_HELD_UNDER", 0)
 
 
 def resident_bytes(mm_start: int, mm_end: int) -> int:
