@@ -7,8 +7,8 @@ a worker's pipe, and the device stager. A batch is, in order of preference:
 - one tensor in its slot: built and lent in one native call (``lend_lone``);
 - views of its slot (``read_batch``), lent until its last view dies or ``release()``;
 - views of its own overflow memory: the slot is free at once, the memory once the batch dies;
-- a copy, when lending the slot would leave the workers no slot at all (the user holds the
-  rest of the ring: ``list(loader)``, a replay buffer), or when it came over the pipe; while
+- a copy, when lending the slot would leave a worker without a slot (the user holds the rest
+  of the ring: ``list(loader)``, a replay buffer), or when it came over the pipe; while
   the user holds the ring, the batches after such a copy are copied too when it was small
   (``COPY_HELD_UNDER``), else written into memory of their own (views, as overflow batches);
 - on a device: copied on a side stream ahead of the consumer (``DeviceStager``); its slot
@@ -35,14 +35,16 @@ from ._slots import Scheduler, SlotState
 from ._stats import Counters
 
 
-# A held batch (the user holds every slot but one) under this many bytes is copied out of its
-# slot in the main process, and so are the next ones while the ring stays held; a larger one has
-# the next ones made in memory of their own (OWN tasks: a memfd each, zero-copy). Measured on 2
-# vCPUs, 64 x float32[1024] (256 KiB) held: copied, 6-10k batches/s at ~160 µs of CPU a batch
-# (main and workers); in memory of their own, 1.4-2.2k at ~700 µs (a memfd made, zero-filled and
-# handed over, the batch made privately and copied in, a round trip per batch). The copy costs the
-# main process its bytes once (~0.35 µs a KiB with its page faults); memory of its own, ~200 µs a
-# batch whatever its size: past about a MiB the copy costs the training process more.
+# A held batch (the user holds every slot a worker can spare: most_lent) under this many bytes is
+# copied out of its slot in the main process, and so are the next ones while the ring stays held;
+# a larger one has the next ones made in memory of their own (OWN tasks: a memfd each, zero-copy).
+# Measured on 2 vCPUs, 64 x float32[1024] (256 KiB) held, `shmloader bench --workloads hold`:
+# copied (every worker keeping a slot, the copies in pages of their own), 10-11k batches/s at
+# ~140 µs of CPU a batch, main and workers; in memory of their own, 1.4-2.2k at ~560-700 µs (a
+# memfd made, zero-filled and handed over, the batch made privately and copied in, a round trip
+# per batch). The copy costs the main process its bytes once (~0.3 µs a KiB with its pages);
+# memory of its own ~200 µs a batch whatever its size: past about a MiB the copy costs the
+# training process more.
 COPY_HELD_UNDER = 1 << 20
 
 
@@ -65,7 +67,7 @@ class Delivery:
         of the ring before keep their memory by themselves."""
         self.ring = ring
         self.leases = Leases()
-        self.lone = None if self.iterable else lone_args(ring, ring.geometry.num_slots)
+        self.lone = None if self.iterable else lone_args(ring, self.most_lent())
 
     def new_epoch(self) -> None:
         """Results the new epoch dropped (their slots FREE) take their piped payloads along."""
@@ -74,6 +76,13 @@ class Delivery:
         self.last_worker = None
         if self.stager is not None:
             self.stager.drain()
+
+    def most_lent(self) -> int:
+        """How many slots the user may hold before a batch is copied rather than lent: every
+        worker keeps a slot to write into (a loop that keeps every batch then still has them
+        all at work), and a loop holding its one batch is always lent the next."""
+        slots = self.sched.num_slots
+        return min(slots - 1, max(2, slots - self.sched.num_workers))
 
     # ------------------------------------------------------------ batches
     def deliver(self, slot: int) -> Any:
@@ -111,17 +120,17 @@ class Delivery:
                 self.sched.give_back(slot)
             self.broker.take(slot, base)
             self.counters.overflow_batches += 1
-            if self.sched.own and self.leases.holding() < self.sched.num_slots - 2:
+            if self.sched.own and self.leases.holding() < self.most_lent() - 1:
                 self.sched.own = False  # the user let go of the ring: batches go into slots again
         else:
-            # Never lend the last slot: a caller that keeps every batch (list(loader), a
-            # replay buffer) would leave the workers nowhere to write. Copy this one out of its
-            # slot. A batch under COPY_HELD_UNDER bytes costs less copied than in memory of its
+            # Never lend a worker's last slot: a caller that keeps every batch (list(loader), a
+            # replay buffer) would leave the workers nowhere to write, or one slot to take
+            # turns on. Copy this one out of its slot (a large tensor into pages of its own). A batch under COPY_HELD_UNDER bytes costs less copied than in memory of its
             # own, so the next ones are copied too while the user holds the ring; larger ones
             # have the next ones written into memory of their own (the overflow path: zero-copy
             # views, as torch's batches are, each its own segment).
             leases = self.leases
-            last = self.sched.num_slots - 1  # lent slots before this one that leave none to the workers
+            last = self.most_lent()  # lent slots before this one that leave a worker without one
             copy = len(leases.bases) >= last and leases.holding() >= last
             try:
                 batch, base, nbytes = read_batch(ring, slot, copy_leaf if copy else None)

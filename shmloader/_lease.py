@@ -209,7 +209,13 @@ LeafConverter = Callable[[Any, int], Any]
 
 def copy_leaf(leaf: Any, kind: int) -> Any:
     """A converter that makes a leaf independent of the slot."""
-    return leaf.clone() if kind == _TENSOR else leaf.copy()
+    if kind != _TENSOR:
+        return leaf.copy()
+    if _copy_out is not None and leaf.nbytes >= _COPY_OUT_FROM:
+        out = _copy_out(leaf)
+        if out is not None:
+            return out
+    return leaf.clone()
 
 
 def read_batch(ring: Ring, slot: int, convert: LeafConverter | None = None,
@@ -277,12 +283,18 @@ def read_batch(ring: Ring, slot: int, convert: LeafConverter | None = None,
 _from_array = torch.from_numpy if TENSORS is None else TENSORS.from_array
 
 
-def lone_args(ring: Ring, num_slots: int) -> tuple[Any, ...]:
+# A tensor of this many bytes or more is copied out of its slot into pages of its own, mapped
+# populated (the C++ extension); smaller ones come from the allocator's heap (clone)
+_COPY_OUT_FROM = 1 << 16
+_copy_out = None if TENSORS is None else TENSORS.copy_out
+
+
+def lone_args(ring: Ring, most_lent: int) -> tuple[Any, ...]:
     """What ``_native.lend_lone`` needs of ``ring``: ``read_batch``'s common case (a batch that is
-    one tensor in its slot) and ``Leases.lend`` in one call, while fewer than ``num_slots - 1``
-    slots are lent (else the caller decides whether to copy: see ``Delivery.deliver``)."""
+    one tensor in its slot) and ``Leases.lend`` in one call, while fewer than ``most_lent``
+    slots are lent (else the caller decides whether to copy: see ``Delivery.most_lent``)."""
     return (ring.mm, ring.header_offsets, ring.data_offsets, ring.geometry.data_bytes, LONE_LEAF, int(_REGION),
-            _SLOT, _TENSOR, NP_DTYPES, _NUMPY_MAX_NDIM, np.ndarray, _from_array, num_slots - 1)
+            _SLOT, _TENSOR, NP_DTYPES, _NUMPY_MAX_NDIM, np.ndarray, _from_array, most_lent)
 
 
 def slot_of(ring: Ring, obj: Any) -> int | None:

@@ -22,6 +22,7 @@ from shmloader._lease import lone_args, read_batch
 from shmloader._ring import _Views
 
 GEOMETRY = RingGeometry(num_workers=1, num_slots=3, data_bytes=1 << 19)
+MOST_LENT = 2  # Delivery.most_lent() of this ring: one slot left to its one worker
 
 
 @pytest.fixture(autouse=True, params=[_tensors.from_array, torch.from_numpy], ids=["from_array", "from_numpy"])
@@ -42,7 +43,7 @@ def written(batch: Any, slot: int = 1) -> _Views:
 
 
 def lend(views: _Views, bases: dict[int, Any], slot: int = 1) -> tuple[Any, int] | None:
-    return _native.lend_lone(slot, bases, lone_args(views, GEOMETRY.num_slots))  # type: ignore[arg-type]
+    return _native.lend_lone(slot, bases, lone_args(views, MOST_LENT))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -147,7 +148,7 @@ def test_a_torn_table_is_left_for_read_batch_to_report() -> None:
 
 
 def test_when_the_workers_would_be_left_one_slot_it_lends_nothing() -> None:
-    """Never the last slot: with num_slots - 1 lent the caller decides whether to copy."""
+    """Never a worker's last slot: with most_lent slots lent the caller decides whether to copy."""
     views = written(torch.arange(16))
     held = {0: np.zeros(1), 2: np.zeros(1)}
     bases = dict(held)
@@ -159,7 +160,7 @@ def test_when_the_workers_would_be_left_one_slot_it_lends_nothing() -> None:
 
 def test_it_refuses_what_is_not_its_arguments() -> None:
     views = written(torch.arange(16))
-    args = lone_args(views, GEOMETRY.num_slots)  # type: ignore[arg-type]
+    args = lone_args(views, MOST_LENT)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         _native.lend_lone(1, [], args)  # type: ignore[arg-type]
     with pytest.raises(TypeError):

@@ -22,7 +22,7 @@ from torch.utils.data import default_collate
 
 from shmloader import _accel, _collate, _lease, _tensors
 from shmloader._collate import SlotWriter, slot_collate_map
-from shmloader._layout import CODE_OF_DTYPE
+from shmloader._layout import CODE_OF_DTYPE, Kind
 from tests.conftest import same
 
 stack_into = _tensors.stack_into
@@ -179,6 +179,7 @@ def test_its_functions_have_text_signatures() -> None:
 
     assert str(inspect.signature(stack_into)) == "(samples, out, /)"
     assert str(inspect.signature(_tensors.from_array)) == "(array, /)"
+    assert str(inspect.signature(_tensors.copy_out)) == "(tensor, /)"
 
 
 NP_DTYPES = [np.bool_, np.uint8, np.int8, np.int16, np.int32, np.int64, np.float16, np.float32, np.float64,
@@ -225,3 +226,53 @@ def test_from_array_keeps_the_array_as_long_as_its_memory_lives() -> None:
 def test_from_array_refuses_what_it_cannot_share(array: Any, error: str) -> None:
     with pytest.raises((TypeError, BufferError, ValueError), match=error):
         _tensors.from_array(array)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.uint8, torch.bool, torch.complex64, torch.bfloat16], ids=str)
+def test_copy_out_is_a_clone_in_pages_of_its_own(dtype: torch.dtype) -> None:
+    src = torch.arange(3 * 70_000).reshape(3, 70_000).to(dtype)
+    out = _tensors.copy_out(src)
+    assert out is not None
+    assert (out.dtype, out.shape, out.stride()) == (src.dtype, src.shape, src.stride())
+    assert torch.equal(out, src) and out.data_ptr() != src.data_ptr() and out.data_ptr() % 4096 == 0
+    src.zero_()  # independent of its source
+    assert torch.equal(out, torch.arange(3 * 70_000).reshape(3, 70_000).to(dtype))
+
+
+def mapped_at(ptr: int) -> bool:
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= ptr < hi:
+                return True
+    return False
+
+
+def test_copy_out_gives_its_pages_back_with_its_last_view() -> None:
+    out = _tensors.copy_out(torch.ones(1 << 20, dtype=torch.uint8))
+    assert out is not None
+    row = out[10:]
+    ptr = out.data_ptr()
+    del out
+    gc.collect()
+    assert mapped_at(ptr) and int(row.sum()) == (1 << 20) - 10
+    del row
+    gc.collect()
+    assert not mapped_at(ptr)
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [torch.zeros(4, 5).t(), torch.zeros(0), torch.zeros(3, dtype=torch.complex64).conj(), torch.zeros(3).to_sparse()],
+    ids=["transposed", "empty", "conjugate", "sparse"],
+)
+def test_copy_out_leaves_other_tensors_to_clone(tensor: torch.Tensor) -> None:
+    assert _tensors.copy_out(tensor) is None
+
+
+def test_copy_leaf_copies_large_tensors_out_and_small_ones_by_clone() -> None:
+    big, small = torch.arange(1 << 15, dtype=torch.float32), torch.arange(16)
+    for leaf in (big, small):
+        out = _lease.copy_leaf(leaf, int(Kind.TENSOR))
+        assert torch.equal(out, leaf) and out.data_ptr() != leaf.data_ptr()
+    assert _lease.copy_leaf(big, int(Kind.TENSOR)).data_ptr() % 4096 == 0  # its own pages
