@@ -148,9 +148,9 @@ class SlotWriter:
             if storage is not None:  # the whole storage: later tensors viewing it share this leaf
                 self._storages.setdefault(storage._cdata, []).append((0, storage.nbytes(), len(self.leaves) - 1))
         elif type(obj) is np.ndarray and obj.dtype in CODE_OF_NP_DTYPE:
-            out = self.array(obj.dtype, obj.shape)
+            array = self.array(obj.dtype, obj.shape)
             if self.fits:  # (measuring only: never published)
-                np.copyto(out, obj, casting="no")
+                np.copyto(array, obj, casting="no")
         else:
             return None
         leaf_id = len(self.leaves) - 1
