@@ -320,9 +320,7 @@ def measure(
     """Time ``repeats`` runs of ``batches`` batches of one loader: one epoch holds them all,
     or with ``epochs`` each run is one epoch (after a first, unmeasured one). With ``hold``
     the loop keeps every batch of a run until the run ends."""
-    # The last loader's garbage goes now, not in this one's forked workers (whose collector
-    # would run its finalizers there: torchdata.nodes' process mapper then asserts).
-    gc.collect()
+    gc.collect()  # the last loader's garbage goes before this one's baseline, as in peak_memory
     baseline = pss_bytes([os.getpid()], shared=False)
     memory = PeakMemory()
     start = time.perf_counter()
