@@ -82,7 +82,9 @@ class LoaderStats:
     compute_s: float
     """Time between receiving a batch and asking for the next: the consumer's own work."""
     copies: int
-    """Batches delivered as copies because the consumer held all other slots."""
+    """Batches delivered as copies: the consumer held every slot its workers could spare (a loop
+    that keeps every batch: batches under a MiB are copied while it does), or memory_budget
+    left no room but what the consumer held."""
     worker_restarts: int
     """Workers replaced after dying."""
     overflow_batches: int
