@@ -14,6 +14,7 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard native/*.c native/*.cpp)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	rm -f shmloader/_tensors*.so  # (optional to build: a failed build must not leave an old one behind)
 	$(PY) -m pip install -q --no-build-isolation -e ".[dev]"
 	touch $@
 

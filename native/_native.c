@@ -360,9 +360,10 @@ PyDoc_STRVAR(lend_lone_doc,
 "read_batch's common case and Leases.lend in one call, for a slot just taken: a batch that is\n"
 "one tensor in the slot's own data region. `lone` = (ring, header offsets, data offsets, data\n"
 "bytes, LONE_LEAF, Field.REGION, Region.SLOT, Kind.TENSOR, NP_DTYPES, _NUMPY_MAX_NDIM,\n"
-"np.ndarray, torch.from_numpy, most slots lent). If fewer than that many slots are in `bases`\n"
-"and the slot's header and leaf table check and say so, the batch is torch.from_numpy(base) of\n"
-"a fresh array `base` over its bytes; bases[slot] = base; returns (batch, nbytes). Returns None,\n"
+"np.ndarray, a tensor maker (torch.from_numpy, or _tensors.from_array), most slots lent). If\n"
+"fewer than that many slots are in `bases` and the slot's header and leaf table check and say\n"
+"so, the batch is the tensor maker's tensor of a fresh array `base` over its bytes;\n"
+"bases[slot] = base; returns (batch, nbytes). Returns None,\n"
 "having changed nothing, for anything else (another region, a table that is not one tensor\n"
 "leaf, a dtype numpy lacks, a header that does not check): read_batch builds that batch, or\n"
 "says what is wrong with it.");

@@ -16,6 +16,7 @@
 
 #include <cstring>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #define STR_(x) #x
 #define STR(x) STR_(x)
@@ -49,8 +50,9 @@ PyObject *stack_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     try {
         const at::Tensor &out = THPVariable_Unpack(args[1]);
         Py_ssize_t n = PySequence_Fast_GET_SIZE(samples);
-        if (n == 0 || out.dim() < 1 || out.size(0) != n || out.layout() != c10::kStrided || !out.device().is_cpu() ||
-            !out.is_contiguous() || out.requires_grad() || !out.has_storage())
+        if (!THPVariable_CheckExact(args[1]) || n == 0 || out.dim() < 1 || out.size(0) != n ||
+            out.layout() != c10::kStrided || !out.device().is_cpu() || !out.is_contiguous() || out.requires_grad() ||
+            !out.has_storage() || out.is_conj() || out.is_neg() || out._is_zerotensor())
             Py_RETURN_FALSE;
         char *dst = static_cast<char *>(out.data_ptr());
         size_t total = out.nbytes(), each = total / static_cast<size_t>(n);
@@ -86,11 +88,11 @@ bool scalar_type_of(const Py_buffer &b, c10::ScalarType *out) {
     if (complex) f++;
     if (f[0] == '\0' || f[1] != '\0') return false;
     switch (f[0]) {
-        case '?': *out = c10::kBool; return b.itemsize == 1;
-        case 'b': *out = c10::kChar; return b.itemsize == 1;
-        case 'B': *out = c10::kByte; return b.itemsize == 1;
-        case 'h': *out = c10::kShort; return b.itemsize == 2;
-        case 'H': *out = c10::kUInt16; return b.itemsize == 2;
+        case '?': *out = c10::kBool; return b.itemsize == 1 && !complex;
+        case 'b': *out = c10::kChar; return b.itemsize == 1 && !complex;
+        case 'B': *out = c10::kByte; return b.itemsize == 1 && !complex;
+        case 'h': *out = c10::kShort; return b.itemsize == 2 && !complex;
+        case 'H': *out = c10::kUInt16; return b.itemsize == 2 && !complex;
         case 'i': case 'I': case 'l': case 'L': case 'q': case 'Q': {
             bool is_signed = f[0] == 'i' || f[0] == 'l' || f[0] == 'q';
             if (b.itemsize == 4) *out = is_signed ? c10::kInt : c10::kUInt32;
@@ -110,34 +112,36 @@ PyObject *from_array(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_SetString(PyExc_TypeError, "from_array takes one C-contiguous writable array");
         return NULL;
     }
-    PyObject *array = args[0];
-    Py_buffer b;
-    if (PyObject_GetBuffer(array, &b, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    /* The buffer stays exported until the tensor's memory goes (its deleter releases it): the
+       exporter can then neither resize nor unmap what the tensor views. */
+    Py_buffer *view = new Py_buffer;
+    if (PyObject_GetBuffer(args[0], view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+        delete view;
+        return NULL;
+    }
     c10::ScalarType type;
-    bool known = scalar_type_of(b, &type);
-    std::vector<int64_t> sizes(b.shape, b.shape + b.ndim);
-    void *data = b.buf;
-    PyBuffer_Release(&b); /* the tensor keeps the array itself, and the array its own export */
-    if (!known) {
+    if (!scalar_type_of(*view, &type)) {
+        PyBuffer_Release(view);
+        delete view;
         PyErr_SetString(PyExc_TypeError, "from_array: a dtype torch has no tensor of");
         return NULL;
     }
+    auto release = [view](void *) {
+        if (!Py_IsInitialized()) return; /* (the interpreter is finishing: left to the process's end) */
+        PyGILState_STATE gil = PyGILState_Ensure();
+        PyBuffer_Release(view);
+        PyGILState_Release(gil);
+        delete view;
+    };
+    at::Tensor t;
     try {
-        Py_INCREF(array); /* (from_blob only throws for sizes a valid buffer cannot have) */
-        at::Tensor t = at::from_blob(
-            data, sizes,
-            [array](void *) {
-                if (!Py_IsInitialized()) return; /* (the interpreter is gone: so is the array) */
-                PyGILState_STATE gil = PyGILState_Ensure();
-                Py_DECREF(array);
-                PyGILState_Release(gil);
-            },
-            at::TensorOptions().dtype(type));
-        return THPVariable_Wrap(std::move(t));
-    } catch (const std::exception &e) {
+        t = at::from_blob(view->buf, std::vector<int64_t>(view->shape, view->shape + view->ndim), release,
+                          at::TensorOptions().dtype(type));
+    } catch (const std::exception &e) { /* (from_blob only throws for sizes a valid buffer cannot have) */
         PyErr_SetString(PyExc_RuntimeError, e.what());
         return NULL;
     }
+    return THPVariable_Wrap(std::move(t));
 }
 
 /* A copy of a contiguous CPU tensor in pages of its own, mapped populated: a held batch copied
@@ -149,17 +153,21 @@ PyObject *copy_out(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         return NULL;
     }
     try {
+        if (!THPVariable_CheckExact(args[0])) Py_RETURN_NONE; /* (a subclass: clone keeps it one) */
         const at::Tensor &src = THPVariable_Unpack(args[0]);
         if (!src.device().is_cpu() || src.layout() != c10::kStrided || !src.is_contiguous() || src.is_conj() ||
-            src.is_neg() || !src.has_storage() || src.nbytes() == 0)
+            src.is_neg() || src._is_zerotensor() || src.is_quantized() || src.requires_grad() ||
+            !src.has_storage() || src.nbytes() == 0)
             Py_RETURN_NONE;
-        size_t nbytes = src.nbytes(), mapped = (nbytes + 4095) / 4096 * 4096;
+        static const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+        size_t nbytes = src.nbytes(), mapped = (nbytes + page - 1) / page * page;
+        const void *from = src.const_data_ptr();
         void *p;
         Py_BEGIN_ALLOW_THREADS
         p = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-        if (p != MAP_FAILED) std::memcpy(p, src.const_data_ptr(), nbytes);
+        if (p != MAP_FAILED) std::memcpy(p, from, nbytes);
         Py_END_ALLOW_THREADS
-        if (p == MAP_FAILED) return PyErr_NoMemory();
+        if (p == MAP_FAILED) Py_RETURN_NONE; /* (no memory, or no mapping left: clone tries the allocator) */
         at::Tensor t = at::from_blob(
             p, src.sizes(), [mapped](void *q) { munmap(q, mapped); }, at::TensorOptions().dtype(src.scalar_type()));
         return THPVariable_Wrap(std::move(t));
@@ -172,8 +180,10 @@ PyObject *copy_out(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
 PyMethodDef methods[] = {
     {"copy_out", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(copy_out)), METH_FASTCALL,
      "copy_out($module, tensor, /)\n--\n\n"
-     "tensor.clone() for a contiguous CPU tensor, into pages of its own mapped populated (one\n"
-     "system call for every page, not a fault each); None for anything else (clone it)."},
+     "tensor.clone() for a plain contiguous CPU tensor (exact torch.Tensor, no grad,\n"
+     "conjugate or negative bit), into pages of its own mapped populated (one system call for\n"
+     "every page, not a fault each); None for anything else, or when no pages could be\n"
+     "mapped (clone it)."},
     {"from_array", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(from_array)), METH_FASTCALL,
      "from_array($module, array, /)\n--\n\n"
      "torch.from_numpy(array) for a C-contiguous writable array of a dtype torch has (what\n"

@@ -360,12 +360,12 @@ def _stack_into_slot(
     shape = elem.shape
     out = writer.tensor(dtype, (len(batch), *shape))
     if _stack_into is not None and _stack_into(batch, out):  # plain samples: one memcpy each
-        writer._stacked = (len(batch), shape, dtype, out)
-        return out
-    try:
-        stacked = torch.stack(batch, 0, out=out)
-    except RuntimeError:
-        return torch.stack(batch, 0)  # unequal shapes: torch's own error, as default_collate raises
+        stacked = out
+    else:
+        try:
+            stacked = torch.stack(batch, 0, out=out)
+        except RuntimeError:
+            return torch.stack(batch, 0)  # unequal shapes: torch's own error, as default_collate raises
     if stacked is out:  # (a tensor subclass's __torch_function__ may return another object)
         writer._stacked = (len(batch), shape, dtype, out)
     return stacked

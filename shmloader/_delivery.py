@@ -43,8 +43,9 @@ from ._stats import Counters
 # ~140 µs of CPU a batch, main and workers; in memory of their own, 1.4-2.2k at ~560-700 µs (a
 # memfd made, zero-filled and handed over, the batch made privately and copied in, a round trip
 # per batch). The copy costs the main process its bytes once (~0.3 µs a KiB with its pages);
-# memory of its own ~200 µs a batch whatever its size: past about a MiB the copy costs the
-# training process more.
+# memory of its own ~200 µs of the main process a batch whatever its size (and as much again in
+# its worker): from about 700 KiB the copy costs the training process more, and the workers
+# less; a MiB splits the difference.
 COPY_HELD_UNDER = 1 << 20
 
 
@@ -78,9 +79,10 @@ class Delivery:
             self.stager.drain()
 
     def most_lent(self) -> int:
-        """How many slots the user may hold before a batch is copied rather than lent: every
-        worker keeps a slot to write into (a loop that keeps every batch then still has them
-        all at work), and a loop holding its one batch is always lent the next."""
+        """How many slots the user may hold before a batch is copied rather than lent: the ring
+        less one slot a worker (a loop that keeps every batch then still has every worker at
+        work), at least 2 (a loop holding its one batch is lent the next), at most the ring less
+        one (the workers keep a slot: a ring of 2 slots lends one)."""
         slots = self.sched.num_slots
         return min(slots - 1, max(2, slots - self.sched.num_workers))
 

@@ -9,6 +9,7 @@ import gc
 import threading
 
 import numpy as np
+import pytest
 
 from shmloader._lease import Leases
 from shmloader._slots import Scheduler, SlotState
@@ -136,3 +137,17 @@ def test_a_view_of_a_view_keeps_the_slot_lent() -> None:
     assert leases.holding() == 1 and leases.take_returned() == []
     del part
     assert leases.take_returned() == [0] and leases.holding() == 0
+
+
+@pytest.mark.parametrize(
+    "slots, workers, most",
+    [(5, 2, 3), (3, 1, 2), (2, 1, 1), (9, 4, 5), (17, 8, 9), (5, 4, 2), (4, 2, 2), (3, 2, 2), (2, 2, 1)],
+)
+def test_most_lent_leaves_every_worker_a_slot_and_a_one_batch_loop_its_next(slots: int, workers: int, most: int) -> None:
+    import types
+
+    from shmloader._delivery import Delivery
+
+    delivery = Delivery.__new__(Delivery)
+    delivery.sched = types.SimpleNamespace(num_slots=slots, num_workers=workers)  # type: ignore[assignment]
+    assert delivery.most_lent() == most

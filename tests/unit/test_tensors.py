@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import mmap
+import os
 import sys
 from typing import Any
 
@@ -46,6 +47,7 @@ def samples_of(dtype: torch.dtype, n: int = 5, shape: tuple[int, ...] = (3, 4)) 
     return [raw[i, : itemsize * torch.Size(shape).numel()].view(dtype).view(shape) for i in range(n)]
 
 
+@pytest.mark.skipif(bool(os.environ.get("SHMLOADER_NO_TENSORS")), reason="SHMLOADER_NO_TENSORS: asked to run without it")
 def test_the_extension_is_built_for_this_torch() -> None:
     assert _tensors.TORCH_VERSION == torch.__version__
     assert _collate._stack_into is stack_into
@@ -167,7 +169,8 @@ def test_collate_into_a_slot_equals_default_collate_with_and_without_it(
 
 def test_a_build_for_another_torch_or_the_environment_variable_leaves_it_unused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_tensors, "TORCH_VERSION", "0.0.0")
-    assert _accel.load() is None
+    with pytest.warns(RuntimeWarning, match=r"built for torch 0\.0\.0, and torch .* runs: reinstall shmloader"):
+        assert _accel.load() is None
     monkeypatch.undo()
     assert _accel.load() is _tensors
     monkeypatch.setenv("SHMLOADER_NO_TENSORS", "1")
@@ -198,6 +201,17 @@ def test_from_array_makes_what_from_numpy_makes(dtype: Any, shape: tuple[int, ..
         assert got.data_ptr() == array.ctypes.data  # shared, not copied
         got.view(-1)[0] = 1
         assert array.reshape(-1)[0] == 1
+
+
+def test_from_array_keeps_its_exporter_from_resizing_what_the_tensor_views() -> None:
+    data = bytearray(16)
+    tensor = _tensors.from_array(data)
+    with pytest.raises(BufferError):
+        data.extend(b"more")  # exported: a resize would leave the tensor viewing freed memory
+    tensor[0] = 7
+    assert data[0] == 7
+    del tensor
+    data.extend(b"more")  # released with the tensor's memory
 
 
 def test_from_array_keeps_the_array_as_long_as_its_memory_lives() -> None:
@@ -253,18 +267,17 @@ def test_copy_out_gives_its_pages_back_with_its_last_view() -> None:
     assert out is not None
     row = out[10:]
     ptr = out.data_ptr()
-    del out
-    gc.collect()
+    del out  # (no cycle: freed here, not by the collector)
     assert mapped_at(ptr) and int(row.sum()) == (1 << 20) - 10
     del row
-    gc.collect()
-    assert not mapped_at(ptr)
+    assert not mapped_at(ptr)  # unmapped with the last view, before anything else could map there
 
 
 @pytest.mark.parametrize(
     "tensor",
-    [torch.zeros(4, 5).t(), torch.zeros(0), torch.zeros(3, dtype=torch.complex64).conj(), torch.zeros(3).to_sparse()],
-    ids=["transposed", "empty", "conjugate", "sparse"],
+    [torch.zeros(4, 5).t(), torch.zeros(0), torch.zeros(3, dtype=torch.complex64).conj(), torch.zeros(3).to_sparse(),
+     torch.zeros(3, requires_grad=True), torch.zeros(3).as_subclass(Sub)],
+    ids=["transposed", "empty", "conjugate", "sparse", "requires grad", "subclass"],
 )
 def test_copy_out_leaves_other_tensors_to_clone(tensor: torch.Tensor) -> None:
     assert _tensors.copy_out(tensor) is None
