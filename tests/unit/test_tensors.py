@@ -24,6 +24,7 @@ from torch.utils.data import default_collate
 from shmloader import _accel, _collate, _lease, _tensors
 from shmloader._collate import SlotWriter, slot_collate_map
 from shmloader._layout import CODE_OF_DTYPE, Kind
+from tests.unit.test_device import mapped
 from tests.conftest import same
 
 stack_into = _tensors.stack_into
@@ -253,24 +254,15 @@ def test_copy_out_is_a_clone_in_pages_of_its_own(dtype: torch.dtype) -> None:
     assert torch.equal(out, torch.arange(3 * 70_000).reshape(3, 70_000).to(dtype))
 
 
-def mapped_at(ptr: int) -> bool:
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo <= ptr < hi:
-                return True
-    return False
-
-
 def test_copy_out_gives_its_pages_back_with_its_last_view() -> None:
     out = _tensors.copy_out(torch.ones(1 << 20, dtype=torch.uint8))
     assert out is not None
     row = out[10:]
     ptr = out.data_ptr()
     del out  # (no cycle: freed here, not by the collector)
-    assert mapped_at(ptr) and int(row.sum()) == (1 << 20) - 10
+    assert mapped(ptr) and int(row.sum()) == (1 << 20) - 10
     del row
-    assert not mapped_at(ptr)  # unmapped with the last view, before anything else could map there
+    assert not mapped(ptr)  # unmapped with the last view, before anything else could map there
 
 
 @pytest.mark.parametrize(
