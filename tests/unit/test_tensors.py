@@ -154,7 +154,10 @@ def test_a_non_tensor_out_is_a_type_error() -> None:
 )
 def test_collate_into_a_slot_equals_default_collate_with_and_without_it(
         samples: list[Any], fast: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    if not fast:
+    stacked: list[bool] = []  # what stack_into answered, batch after batch
+    if fast:
+        monkeypatch.setattr(_collate, "_stack_into", lambda s, out: stacked.append(stack_into(s, out)) or stacked[-1])
+    else:
         monkeypatch.setattr(_collate, "_stack_into", None)
     mm = mmap.mmap(-1, 1 << 16)
     writer = SlotWriter(mm)
@@ -166,6 +169,9 @@ def test_collate_into_a_slot_equals_default_collate_with_and_without_it(
             batch = torch.utils.data._utils.collate.collate(samples, collate_fn_map=fn_map)
             writer.finish(batch)
         same(batch, default_collate(samples))
+    if fast:  # plain samples went through stack_into; the transposed and mixed ones through torch.stack
+        plain = isinstance(samples[0], dict) or samples[0].is_contiguous() and samples[0].dtype == samples[1].dtype
+        assert any(stacked) == plain and stacked, stacked
 
 
 def test_a_build_for_another_torch_or_the_environment_variable_leaves_it_unused(monkeypatch: pytest.MonkeyPatch) -> None:
