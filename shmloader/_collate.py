@@ -292,18 +292,9 @@ class SlotWriter:
         plan = self._stacks.get(self.data_off)
         if plan is None or len(samples) != plan.n or plan.layout[3] > self.capacity:
             return None
-        if _stack_into is None or not _stack_into(samples, plan.out):  # plain samples: one memcpy each
-            elem = samples[0]
-            if (type(elem) is not torch.Tensor or elem.shape != plan.shape or elem.is_nested
-                    or elem.layout is not _STRIDED or not elem.is_cpu):
-                return None
-            if _native.same_attr(samples, "dtype") is not plan.dtype:
-                return None
-            try:
-                if torch.stack(samples, 0, out=plan.out) is not plan.out:
-                    return None  # a tensor subclass among the samples made it another object
-            except RuntimeError:
-                return None  # unequal shapes: the general way raises torch's own error
+        # (plain samples: one memcpy each; else torch.stack, when they are like the plan's)
+        if (_stack_into is None or not _stack_into(samples, plan.out)) and not plan.torch_stack(samples):
+            return None
         self.used = plan.used
         self._write_lone(plan.layout)
         return plan.out
@@ -318,6 +309,21 @@ class _LoneStack(NamedTuple):
     out: torch.Tensor  # the slot's view the batch was stacked into
     used: int
     layout: tuple[int, int, int, int, bytes]  # _finish_lone's
+
+    def torch_stack(self, samples: list[Any]) -> bool:
+        """``torch.stack`` of ``samples`` into ``out`` when they are plain tensors like the
+        planned ones (sample shape, dtype); False when they are not (the general way then
+        collates them, and writes the slot again)."""
+        elem = samples[0]
+        if (type(elem) is not torch.Tensor or elem.shape != self.shape or elem.is_nested
+                or elem.layout is not _STRIDED or not elem.is_cpu):
+            return False
+        if _native.same_attr(samples, "dtype") is not self.dtype:
+            return False
+        try:
+            return torch.stack(samples, 0, out=self.out) is self.out  # (a subclass may make another object)
+        except RuntimeError:
+            return False  # unequal shapes: the general way raises torch's own error
 
 
 class _LeafPickler(pickle.Pickler):

@@ -20,7 +20,7 @@ from shmloader._layout import DONE
 from shmloader._lease import slot_of
 from shmloader._slots import SlotState
 from tests.conftest import same
-from tests.datasets import Blocks, Failing, Gated, IndexPid, Pid, Range, Shards, Sized, check_blocks
+from tests.datasets import Blocks, Failing, Gated, IndexPid, Pid, Range, Rich, Shards, Sized, Tokens, check_blocks, pad_collate
 
 
 def test_batches_are_views_of_the_ring_and_return_when_dropped() -> None:
@@ -220,6 +220,30 @@ class MiB(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return torch.full((_delivery.COPY_HELD_UNDER // 4,), float(i))
+
+
+@pytest.mark.parametrize("job", ["dynamic padding", "every leaf type"])
+def test_a_replay_buffer_of_real_batches_equals_torchs(job: str) -> None:
+    # A loop that keeps every batch of a shuffled epoch, on batches that are not fixed-size ready
+    # tensors: padded tokens of varying length with masks and raw strings (some batches past
+    # 64 KiB, copied into pages of their own, the others cloned), or every leaf default_collate
+    # handles. Same batches, same order, same seeded shuffle as torch's loader.
+    if job == "dynamic padding":
+        dataset: Any = Tokens(320)
+        kwargs: dict[str, Any] = {"batch_size": 32, "collate_fn": pad_collate}
+    else:
+        dataset, kwargs = Rich(120), {"batch_size": 4}
+
+    want = list(torch.utils.data.DataLoader(dataset, shuffle=True, generator=torch.Generator().manual_seed(7),
+                                            **kwargs))
+    loader = shmloader.DataLoader(dataset, shuffle=True, generator=torch.Generator().manual_seed(7), num_workers=2,
+                                  **kwargs)
+    held = list(loader)
+    same(held, want)
+    stats = loader.stats()
+    assert stats.copies >= 1, stats  # the copy path was taken (batches that outgrew a slot: overflow, growth)
+    assert stats.copies + stats.overflow_batches + 3 * (1 + stats.ring_growths) >= len(want), stats
+    del held, loader
 
 
 def test_held_batches_of_a_mib_by_default_come_in_memory_of_their_own() -> None:
