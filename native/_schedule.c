@@ -69,7 +69,7 @@ typedef struct {
     int64_t table_epoch, outstanding, waiting_count, n_ready;
     Py_ssize_t rr;
     int64_t send_seq, rcvd_seq, banked;
-    int sampler_done;
+    int exhausted; /* the epoch has no more tasks: its sampler is exhausted, or every shard ended */
     int own; /* tasks dispatched now go into memory of their own: the user holds the ring */
     /* the ring, once attached */
     PyObject *ring;
@@ -212,31 +212,47 @@ static int table_give_back(Scheduler *t, Py_ssize_t slot) {
 }
 
 /* ---------------------------------------------------------------- dispatching */
+/* Workers whose shard goes on. */
+static Py_ssize_t n_active(Scheduler *t) {
+    Py_ssize_t n = 0;
+    for (Py_ssize_t w = 0; w < t->n_workers; w++) n += t->active[w];
+    return n;
+}
+
+/* Worker w's shard ended: it takes no more tasks this epoch. With no worker left the epoch has
+   no more tasks (exhausted), whatever the sampler still has. The one way `active` changes
+   within an epoch (new_epoch sets every worker active again). */
+static void end_shard(Scheduler *t, Py_ssize_t w) {
+    t->active[w] = 0;
+    if (n_active(t) == 0) t->exhausted = 1;
+}
+
 /* The worker for the next task: the first active one from the cursor on (in order), or the
-   first with fewer than its share of the cap (out of order); -1 when none can take one. */
+   first with fewer than its share of the cap (out of order); -1 when none can take one now.
+   -1 is never "the epoch is over": out of order, every active worker may sit at its share
+   while fewer than `cap` tasks exist (a shard ended, and the share floors); a result that
+   comes lowers its worker's load, and the next fill picks again. */
 static Py_ssize_t pick(Scheduler *t) {
-    Py_ssize_t n_active = 0;
-    for (Py_ssize_t w = 0; w < t->n_workers; w++) n_active += t->active[w];
+    Py_ssize_t active = n_active(t);
     for (Py_ssize_t i = 0; i < t->n_workers; i++) {
         Py_ssize_t w = t->rr;
         t->rr = (w + 1) % t->n_workers;
-        if (t->active[w] && (t->in_order || t->load[w] < t->cap / n_active)) return w;
+        if (t->active[w] && (t->in_order || t->load[w] < t->cap / active)) return w;
     }
     return -1;
 }
 
 /* The next index of the epoch for a picked worker: 1 with *index (a new reference); 0 when no
-   worker can take one or the sampler is exhausted (sampler_done); -1 on the sampler's error. */
+   worker can take one now (nothing set: not the end) or the epoch has no more tasks (the
+   sampler is exhausted: `exhausted` set); -1 on the sampler's error. */
 static int next_index(Scheduler *t, PyObject *sampler, Py_ssize_t *worker, PyObject **index) {
+    if (t->exhausted) return 0;
     *worker = pick(t);
-    if (*worker < 0) {
-        t->sampler_done = 1;
-        return 0;
-    }
+    if (*worker < 0) return 0;
     *index = PyIter_Next(sampler);
     if (*index == NULL) {
         if (PyErr_Occurred()) return -1;
-        t->sampler_done = 1;
+        t->exhausted = 1;
         return 0;
     }
     return 1;
@@ -265,7 +281,7 @@ static int post(Scheduler *t, Py_buffer *view, Py_ssize_t slot) {
 /* Dispatch tasks while a slot is free, fewer than `cap` tasks exist and the epoch has more:
    each posted to its worker, or (an index the slot cannot take as int64s) listed unposted. */
 static int fill(Scheduler *t, Py_buffer *view, PyObject *sampler) {
-    while (t->n_free > 0 && t->n_tasks < t->cap && !t->sampler_done) {
+    while (t->n_free > 0 && t->n_tasks < t->cap && !t->exhausted) {
         Py_ssize_t worker;
         PyObject *index;
         int got = next_index(t, sampler, &worker, &index);
@@ -623,7 +639,7 @@ static PyObject *m_new_epoch(Scheduler *t, PyObject *unused) {
     t->n_ready = 0;
     t->outstanding = 0;
     t->send_seq = t->rcvd_seq = 0;
-    t->sampler_done = 0;
+    t->exhausted = 0;
     t->rr = 0;
     memset(t->active, 1, (size_t)t->n_workers);
     Py_RETURN_NONE;
@@ -774,9 +790,25 @@ PyDoc_STRVAR(pick_doc, "pick($self, /)\n--\n\n"
 
 static PyObject *m_pick(Scheduler *t, PyObject *unused) { return PyLong_FromSsize_t(pick(t)); }
 
+PyDoc_STRVAR(end_shard_doc, "end_shard($self, worker, /)\n--\n\n"
+"Worker `worker`'s shard ended (an IterableDataset's StopIteration): it takes no more tasks this\n"
+"epoch; when no worker is left, the epoch is `exhausted`. The one way `active` changes.");
+
+static PyObject *m_end_shard(Scheduler *t, PyObject *arg) {
+    Py_ssize_t w = PyLong_AsSsize_t(arg);
+    if (w == -1 && PyErr_Occurred()) return NULL;
+    if (w < 0 || w >= t->n_workers) {
+        PyErr_Format(PyExc_IndexError, "worker %zd is not one of the %zd workers", w, t->n_workers);
+        return NULL;
+    }
+    end_shard(t, w);
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(next_task_doc, "next_task($self, sampler, /)\n--\n\n"
 "(worker, seq, index) of the epoch's next task (pick, then next(sampler)), or None when there is\n"
-"none (sampler_done is then set). Nothing is dispatched: the first batch's probe uses it.");
+"none now (the epoch has no more: `exhausted` is then set; or no worker has room). Nothing is\n"
+"dispatched: the first batch's probe uses it.");
 
 static PyObject *m_next_task(Scheduler *t, PyObject *sampler) {
     Py_ssize_t worker;
@@ -929,6 +961,7 @@ static PyMethodDef scheduler_methods[] = {
     {"free_slots", (PyCFunction)m_free_slots, METH_NOARGS, free_slots_doc},
     {"check", (PyCFunction)m_check, METH_NOARGS, check_doc},
     {"pick", (PyCFunction)m_pick, METH_NOARGS, pick_doc},
+    {"end_shard", (PyCFunction)m_end_shard, METH_O, end_shard_doc},
     {"next_task", (PyCFunction)m_next_task, METH_O, next_task_doc},
     {"attach", (PyCFunction)(void (*)(void))m_attach, METH_FASTCALL, attach_doc},
     {"take_unposted", (PyCFunction)m_take_unposted, METH_NOARGS, take_unposted_doc},
@@ -998,10 +1031,9 @@ static int set_flag(int *flag, PyObject *v, const char *name) {
 }
 
 static int set_own(Scheduler *t, PyObject *v, void *c) { return set_flag(&t->own, v, "own"); }
-static PyObject *get_sampler_done(Scheduler *t, void *c) { return PyBool_FromLong(t->sampler_done); }
+static PyObject *get_exhausted(Scheduler *t, void *c) { return PyBool_FromLong(t->exhausted); }
 static PyObject *get_has_unposted(Scheduler *t, void *c) { return PyBool_FromLong(PyList_GET_SIZE(t->unposted) > 0); }
 
-static int set_sampler_done(Scheduler *t, PyObject *v, void *c) { return set_flag(&t->sampler_done, v, "sampler_done"); }
 
 static PyObject *get_load(Scheduler *t, void *c) {
     PyObject *out = PyTuple_New(t->n_workers);
@@ -1018,29 +1050,6 @@ static PyObject *get_active(Scheduler *t, void *c) {
     return out;
 }
 
-static int set_active(Scheduler *t, PyObject *v, void *c) {
-    PyObject *seq = v == NULL ? NULL : PySequence_Fast(v, "active must be a sequence of bools");
-    if (seq == NULL) {
-        if (v == NULL) PyErr_SetString(PyExc_AttributeError, "cannot delete active");
-        return -1;
-    }
-    if (PySequence_Fast_GET_SIZE(seq) != t->n_workers) {
-        PyErr_Format(PyExc_ValueError, "active must have one entry per worker (%zd)", t->n_workers);
-        Py_DECREF(seq);
-        return -1;
-    }
-    for (Py_ssize_t w = 0; w < t->n_workers; w++) {
-        int b = PyObject_IsTrue(PySequence_Fast_GET_ITEM(seq, w));
-        if (b < 0) {
-            Py_DECREF(seq);
-            return -1;
-        }
-        t->active[w] = (uint8_t)b;
-    }
-    Py_DECREF(seq);
-    return 0;
-}
-
 static PyGetSetDef scheduler_getset[] = {
     {"num_slots", (getter)get_num_slots, NULL, "slots of the ring", NULL},
     {"num_workers", (getter)get_num_workers, NULL, "workers", NULL},
@@ -1053,12 +1062,13 @@ static PyGetSetDef scheduler_getset[] = {
     {"n_ready", (getter)get_n_ready, NULL, "READY slots", NULL},
     {"n_tasks", (getter)get_n_tasks, NULL, "slots with a task (IN_FLIGHT, WAITING, READY)", NULL},
     {"load", (getter)get_load, NULL, "IN_FLIGHT and WAITING tasks per worker", NULL},
-    {"active", (getter)get_active, (setter)set_active, "workers that take tasks (an ended shard's do not)", NULL},
+    {"active", (getter)get_active, NULL, "workers that take tasks (an ended shard's do not): changed by end_shard", NULL},
     {"rr", (getter)get_rr, (setter)set_rr, "the worker the round robin looks at next", NULL},
     {"send_seq", (getter)get_send_seq, (setter)set_send_seq, "the sequence number of the next task", NULL},
     {"rcvd_seq", (getter)get_rcvd_seq, (setter)set_rcvd_seq, "the sequence number of the next result in order", NULL},
     {"banked", (getter)get_banked, (setter)set_banked, "ready-semaphore tokens taken, not yet matched with a DONE slot", NULL},
-    {"sampler_done", (getter)get_sampler_done, (setter)set_sampler_done, "the epoch has no more tasks", NULL},
+    {"exhausted", (getter)get_exhausted, NULL,
+     "the epoch has no more tasks: the sampler is exhausted, or every worker's shard ended", NULL},
     {"event", (getter)get_event, NULL, "the slot of the last step's event", NULL},
     {"has_unposted", (getter)get_has_unposted, NULL, "whether take_unposted has slots to give", NULL},
     {"own", (getter)get_own, (setter)set_own,

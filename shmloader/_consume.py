@@ -96,7 +96,9 @@ class RingIterator(_BaseDataLoaderIter):
         live.add(self)
         self._reset(loader, first_iter=True)
         if resume is not None:  # continue the round-robin where the checkpointed epoch was
-            self._sched.active = resume.active
+            for worker, going_on in enumerate(resume.active):
+                if not going_on:
+                    self._sched.end_shard(worker)
             if resume.last_worker is not None:
                 self._sched.rr = (resume.last_worker + 1) % self._num_workers
 
@@ -140,7 +142,7 @@ class RingIterator(_BaseDataLoaderIter):
                     ) from self._fatal
                 return _END
             self._deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
-            if not self._life.started and not self._sched.sampler_done:
+            if not self._life.started and not self._sched.exhausted:
                 yield from self._start()
             if self._life.attaching:  # a grown ring's wait, cancelled in an async for: before any connection is read
                 yield from self._life.await_attached(self._check)
@@ -203,7 +205,7 @@ class RingIterator(_BaseDataLoaderIter):
                 return _GROW
             if stager is not None and stager.staged:
                 return delivery.pop_staged()
-        if sched.sampler_done and not sched.outstanding and not sched.n_ready:
+        if sched.exhausted and not sched.outstanding and not sched.n_ready:
             if not self._persistent_workers:
                 if delivery.stager is not None and delivery.stager.copying:
                     return COPY  # shutting down waits for them: let them finish first
@@ -237,7 +239,7 @@ class RingIterator(_BaseDataLoaderIter):
             status = hdr[Field.STATUS]
             sched.give_back(slot)
             if status == Status.STOP:
-                sched.active = [on and w != hdr[Field.WORKER] for w, on in enumerate(sched.active)]
+                sched.end_shard(hdr[Field.WORKER])
                 return
             self._broker.drop(slot)
             if status == Status.ERROR or status == Status.INIT_ERROR:

@@ -98,9 +98,7 @@ class Lifecycle:
             wid, seq, index = task
             _, status, needed, error = yield from self._probe(wid, seq, index, check)
             if status == Status.STOP:
-                active = list(sched.active)
-                active[wid] = False
-                sched.active = active
+                sched.end_shard(wid)
                 sched.rcvd_seq = seq + 1  # only exhausted shards came before
             elif status == Status.ERROR:  # the first batch's own error: raised, and the next one is probed
                 sched.rcvd_seq = seq + 1

@@ -63,12 +63,14 @@ class Scheduler:
     n_ready: int
     n_tasks: int
     load: tuple[int, ...]
-    active: Sequence[bool]
+    @property
+    def active(self) -> tuple[bool, ...]: ...
     rr: int
     send_seq: int
     rcvd_seq: int
     banked: int
-    sampler_done: bool
+    @property
+    def exhausted(self) -> bool: ...
     event: int
     has_unposted: bool
     own: bool
@@ -97,6 +99,7 @@ class Scheduler:
     def free_slots(self) -> list[int]: ...
     def check(self) -> None: ...
     def pick(self) -> int: ...
+    def end_shard(self, worker: int, /) -> None: ...
     def next_task(self, sampler: Any, /) -> tuple[int, int, Any] | None: ...
     def attach(self, ring: Any, header_offsets: tuple[int, ...], data_offsets: tuple[int, ...], data_bytes: int,
                queue_offsets: tuple[int, ...], queue_len: int, task_sems: tuple[int, ...], ready_sem: int,

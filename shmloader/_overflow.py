@@ -277,6 +277,6 @@ class OverflowBroker:
             unblocked = any(w not in blocked for w in range(sched.num_workers))
             moving = any(sched.state_of(slot) == SlotState.IN_FLIGHT and task and task.worker not in blocked
                          for slot, task in tasks.items())
-            can_dispatch = sched.n_free and not sched.sampler_done and self.grow_to is None and unblocked
+            can_dispatch = sched.n_free and not sched.exhausted and self.grow_to is None and unblocked
             wanted_next = not sched.n_ready and not moving and not can_dispatch
         return None if wanted_next and not self.grants and not staging else False

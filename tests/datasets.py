@@ -457,3 +457,16 @@ class Runs(Dataset):  # type: ignore[type-arg]
         if twist == "array":
             return sample.numpy()
         return sample
+
+
+class LenShards(IterableDataset):  # type: ignore[type-arg]
+    """Worker ``w`` yields ``lengths[w]`` samples, ``w * 1000`` on: shards of any lengths, empty
+    ones included (the shape of a sharded corpus whose files differ in size)."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.lengths = lengths
+
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        w = 0 if info is None else info.id
+        return iter(torch.tensor([w * 1000 + i]) for i in range(self.lengths[w]))

@@ -26,7 +26,7 @@ class ModelTable:
         self.active = [True] * num_workers
         self.rr = 0
         self.send_seq = self.rcvd_seq = self.banked = 0
-        self.sampler_done = False
+        self.exhausted = False  # the epoch has no more tasks: the sampler is exhausted, or every shard ended
         self.unposted: list[int] = []
 
     @property
@@ -123,10 +123,20 @@ class ModelTable:
             self._free(slot)
         self.outstanding = 0
         self.send_seq = self.rcvd_seq = self.rr = 0
-        self.sampler_done = False
+        self.exhausted = False
         self.active = [True] * self.num_workers
 
+    def end_shard(self, worker: int) -> None:
+        """torch's ``_workers_status[worker] = False`` at the worker's StopIteration; with every
+        shard ended, torch's epoch ends once nothing is outstanding."""
+        self.active[worker] = False
+        if not any(self.active):
+            self.exhausted = True
+
     def pick(self) -> int:
+        """torch's ``_try_put_index``: the next active worker of the cycle; out of order, one with
+        fewer than ``max_tasks // sum(_workers_status)`` tasks. None found: no task now (torch
+        returns and tries again when a result is processed), never the end of the epoch."""
         n_active = sum(self.active)
         for _ in range(self.num_workers):
             w, self.rr = self.rr, (self.rr + 1) % self.num_workers
@@ -180,15 +190,14 @@ class ModelTable:
         return slot, -1
 
     def _fill(self, ring: Ring, sampler: Any) -> None:
-        while self.free and len(self.tasks) < self.cap and not self.sampler_done:
+        while self.free and len(self.tasks) < self.cap and not self.exhausted:
             worker = self.pick()
             if worker < 0:
-                self.sampler_done = True
-                return
+                return  # no active worker has room now; a result that comes makes some
             try:
                 index = next(sampler)
             except StopIteration:
-                self.sampler_done = True
+                self.exhausted = True
                 return
             slot = self.dispatch(worker, self.send_seq, index)
             self.send_seq += 1
@@ -209,5 +218,5 @@ def same(native: Scheduler, model: ModelTable) -> None:
     assert (native.outstanding, native.waiting_count, native.n_ready, native.n_free, native.n_tasks) == (
         model.outstanding, model.waiting_count, len(model.ready()), len(model.free), len(model.tasks))
     assert (list(native.active), native.rr, native.send_seq, native.rcvd_seq, native.banked,
-            native.sampler_done, native.epoch) == (model.active, model.rr, model.send_seq, model.rcvd_seq,
-                                                   model.banked, model.sampler_done, model.epoch)
+            native.exhausted, native.epoch) == (model.active, model.rr, model.send_seq, model.rcvd_seq,
+                                                   model.banked, model.exhausted, model.epoch)

@@ -494,7 +494,7 @@ def fuzz_scheduler(native: Any, rng: random.Random, g: Guarded) -> None:
         lambda: table.next_task(sampler),
         lambda: table.step(bases, sampler, rng.random() < 0.8, rng.random() < 0.8),
         lambda: table.reclaim(rng.choice([bases, {slot(): object()}, {"x": object()}, []])),
-        lambda: setattr(table, "active", [rng.random() < 0.6 for _ in range(rng.choice([w, w, w + 1]))]),
+        lambda: table.end_shard(rng.choice([0, w - 1, w, -1])),
         lambda: setattr(table, "rr", worker()),
         lambda: setattr(table, "banked", rng.choice([0, 1, 5, -1])),
         publish,

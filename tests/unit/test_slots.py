@@ -143,7 +143,7 @@ def test_a_stale_request_for_memory_frees_its_slot() -> None:
 def test_resize_keeps_the_cursors_and_refuses_tasks() -> None:
     table = Scheduler(3, 2, 4, epoch=5)
     table.send_seq, table.rcvd_seq, table.banked, table.rr = 7, 3, 2, 1
-    table.active = [False, True]
+    table.end_shard(0)
     slot = table.dispatch(1, 7, [7])
     with pytest.raises(AssertionError, match="1 slots still have tasks"):
         table.resize(9)
@@ -153,3 +153,23 @@ def test_resize_keeps_the_cursors_and_refuses_tasks() -> None:
     table.check()
     assert (table.num_slots, table.n_free, table.epoch, table.send_seq, table.rcvd_seq, table.banked, table.rr,
             tuple(table.active), table.cap) == (9, 9, 5, 7, 3, 2, 1, (False, True), 4)
+
+
+@pytest.mark.parametrize("table", [lambda: Scheduler(9, 4, 8, in_order=False), lambda: ModelTable(9, 4, 8, in_order=False)],
+                         ids=["native", "model"])
+def test_no_room_now_is_not_the_end_of_the_epoch(table: object) -> None:
+    # torch, out of order: a task goes to an active worker with fewer than max_tasks // active
+    # tasks. Shard 0 ended: 8 // 3 = 2 each, so 6 tasks fill every share while 8 may exist.
+    t = table()  # type: ignore[operator]
+    t.end_shard(0)
+    for w in (1, 2, 3):
+        for _ in range(2):
+            t.dispatch(w, 0, [0])
+    assert t.pick() == -1 and not t.exhausted  # nobody has room: wait for a result
+    if isinstance(t, Scheduler):
+        assert t.next_task(iter([[7]])) is None and not t.exhausted
+        t.done(t.of_worker(2)[0])
+        assert t.next_task(iter([[7]]))[0] == 2  # a result lowered worker 2's load: it has room again
+    for w in (1, 2, 3):
+        t.end_shard(w)
+    assert t.exhausted  # every shard ended: the epoch has no more tasks

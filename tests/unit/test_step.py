@@ -111,8 +111,9 @@ def test_step_is_the_models_sequence_of_transitions(seed: int, in_order: bool) -
                 if rng.random() < 0.4:
                     del held[slot]
             if rng.random() < 0.05:
-                active = [rng.random() < 0.7 for _ in range(WORKERS)]
-                native.active, model.active = active, list(active)
+                ended = rng.randrange(WORKERS)  # that worker's shard ended (its STOP taken)
+                native.end_shard(ended)
+                model.end_shard(ended)
             if rng.random() < 0.02:
                 native.new_epoch()
                 model.new_epoch()
