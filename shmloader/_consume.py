@@ -362,9 +362,7 @@ class RingIterator(_BaseDataLoaderIter):
         except StopIteration as stop:
             result = stop.value
         except asyncio.CancelledError:
-            if not self._life.started:  # cancelled mid start-up: the handshake cannot resume
-                self._shutdown_workers()
-            raise
+            raise  # at a wait: what it waited for is kept (start-up, growth, ready slots); the next anext goes on
         except BaseException as exc:
             if (instead := self._failed(exc)) is not None:
                 raise StopAsyncIteration from instead  # as a sync loop ends at a worker's StopIteration

@@ -79,6 +79,9 @@ class Lifecycle:
         self.started = False  # the ring exists and every worker has attached to it once
         self.stopped = False
         self.attaching: dict[int, Any] = {}  # workers sent a new ring, not yet attached: worker -> its process
+        # The first batch's probe, sent and not answered: (worker, seq, index, the process asked).
+        # Kept here so that a start-up whose wait an async for cancelled goes on where it was.
+        self.probing: tuple[int, int, Any, Any] | None = None
 
     # -------------------------------------------------------------- start
     def start(self, sampler: Any, batch_bytes: int | None, slot_bytes: int | None, prefetch_factor: int,
@@ -87,15 +90,35 @@ class Lifecycle:
         """Size the ring (from the first batch, unless its size is known), create it, attach
         every worker. The first batch's task is probed: made privately by its worker, which
         keeps it and writes it into its slot once the ring exists. ``pin``: pin_memory's
-        device (the ring is page-locked on CUDA, and with ``device``), or None."""
+        device (the ring is page-locked on CUDA, and with ``device``), or None.
+
+        Resumable: every wait is at a yield, and what a wait left behind lives here (the probe
+        sent: ``probing``; the ring made, workers not yet attached: ``ring``, ``attaching``),
+        so a start whose generator was dropped (an ``async for`` cancelled) is called again and
+        goes on, asking nothing twice and drawing no index twice."""
+        if self.ring is None:
+            yield from self._create(sampler, batch_bytes, slot_bytes, prefetch_factor, budget, pin, device,
+                                    device_prefetch, check, batch_failed)
+            if self.ring is None:
+                return  # the epoch had no batch (every shard ended while probing)
+        yield from self.await_attached(check)
+        self.started = True
+
+    def _create(self, sampler: Any, batch_bytes: int | None, slot_bytes: int | None, prefetch_factor: int,
+                budget: int | None, pin: str | None, device: torch.device | None, device_prefetch: int,
+                check: Callable[[], None], batch_failed: Callable[[], None]) -> Steps:
+        """``start``'s first part: the probe, then the ring created and sent to every worker."""
         sched = self.sched
         first = batch_bytes
         probe: tuple[int, int, Any] | None = None
         while slot_bytes is None and first is None:
-            task = sched.next_task(sampler)
-            if task is None:
-                return
-            wid, seq, index = task
+            if self.probing is not None:  # asked before this start was cancelled: its answer is awaited
+                wid, seq, index, _ = self.probing
+            else:
+                task = sched.next_task(sampler)
+                if task is None:
+                    return
+                wid, seq, index = task
             _, status, needed, error = yield from self._probe(wid, seq, index, check)
             if status == Status.STOP:
                 sched.end_shard(wid)
@@ -135,8 +158,6 @@ class Lifecycle:
             if probe is not None and probe[0] == wid:
                 pending = sched.dispatch(wid, probe[1], probe[2])
             self.pool.send(wid, ("ring", geometry, pending), ring.fd, dead_ok=True)
-        yield from self.await_attached(check)
-        self.started = True
 
     def _probe(self, wid: int, seq: int, index: Any, check: Callable[[], None]) -> Steps:
         """Worker ``wid``'s answer for batch ``seq`` (the epoch's first, made privately to size
@@ -145,7 +166,9 @@ class Lifecycle:
         pool = self.pool
         while True:
             proc = pool.procs[wid]
-            pool.send(wid, ("probe", self.sched.epoch, seq, as_list(index)), dead_ok=True)
+            if self.probing is None or self.probing[3] is not proc:  # (a replacement is asked anew)
+                pool.send(wid, ("probe", self.sched.epoch, seq, as_list(index)), dead_ok=True)
+                self.probing = (wid, seq, index, proc)
             while pool.procs[wid] is proc and not pool.conns[wid].poll():
                 check()
                 if pool.procs[wid] is proc:
@@ -153,6 +176,7 @@ class Lifecycle:
             if pool.procs[wid] is proc:
                 reply = pool.recv(wid)
                 if reply is not None:
+                    self.probing = None
                     return tuple(reply)
                 check()  # it died as it answered: replaced here, then asked again
 

@@ -91,3 +91,62 @@ def test_async_timeout(run: Callable[[Coroutine[Any, Any, Any]], Any]) -> None:
     loader = shmloader.DataLoader(Gated(4, gate), batch_size=2, num_workers=1, timeout=0.2)
     with pytest.raises(RuntimeError, match="timed out after 0.2 seconds"):
         run(collect(loader))
+
+
+async def cancelled_run(loader: Any, cancel_at: Callable[[int], bool]) -> tuple[list[Any], list[tuple[Any, ...]]]:
+    """The epoch of ``async for`` whose ``n``-th wait (from 1) is cancelled where ``cancel_at(n)``:
+    the wait is started, then cancelled as a timeout around ``anext`` would cancel it (or, done
+    already, the task is cancelled as it resumes), and the loop goes on with the next ``anext``.
+    Returns the batches and the requests of the cancelled waits."""
+    it = aiter(loader)
+    waiter = it._waiter
+    wait = waiter.wait
+    calls = 0
+    cancelled: list[tuple[Any, ...]] = []
+
+    async def wait_or_cancelled(request: tuple[Any, ...], check: Any, deadline: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if not cancel_at(calls):
+            return await wait(request, check, deadline)
+        cancelled.append(request)
+        inner = asyncio.ensure_future(wait(request, check, deadline))
+        await asyncio.sleep(0)  # it registers its readers and waits
+        inner.cancel()
+        try:
+            await inner
+        except asyncio.CancelledError:
+            pass
+        raise asyncio.CancelledError
+
+    waiter.wait = wait_or_cancelled
+    out = []
+    while True:
+        try:
+            out.append(await anext(it))
+        except asyncio.CancelledError:
+            continue
+        except StopAsyncIteration:
+            return out, cancelled
+
+
+def cancel_job() -> dict[str, Any]:
+    return dict(dataset=Rich(24), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3))
+
+
+def test_a_cancelled_anext_loses_nothing_at_any_wait_of_start_up_or_steady_state(
+        run: Callable[[Coroutine[Any, Any, Any]], Any]) -> None:
+    want = list(torch.utils.data.DataLoader(**cancel_job()))
+    kinds = set()
+    k = 1
+    while True:  # the k-th wait of the epoch cancelled, for every k the epoch has
+        got, cancelled = run(cancelled_run(shmloader.DataLoader(**cancel_job(), num_workers=2), lambda n: n == k))
+        same(got, want)
+        if not cancelled:
+            break
+        kinds.add(cancelled[0][0])
+        k += 1
+    assert {"conns", "ready"} <= kinds, kinds  # start-up's waits (probe, attach) and steady state's
+    got, cancelled = run(cancelled_run(shmloader.DataLoader(**cancel_job(), num_workers=2), lambda n: n % 2 == 1))
+    same(got, want)  # every other wait cancelled
+    assert cancelled
