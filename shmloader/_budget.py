@@ -51,15 +51,19 @@ def plan_ring(
     one batch of that size to take the overflow path: fewer slots first (down to one per
     worker), then no room for overflow; if even that does not fit, MemoryBudgetError.
     ``in_use``: the loader's shared memory already mapped (other rings, overflow memory), which
-    the budget holds too.
+    the budget holds too. Memory held from before (most often the batch a loop still holds as
+    the next epoch begins: ``for epoch ...: for batch in loader``) may take a ring below one
+    slot per worker, down to one slot (the workers take turns; batches are copied out of it),
+    so that a budget that held the first epoch holds every epoch.
     """
     assert slot_bytes is not None or batch_bytes is not None
     size = round_up(slot_bytes, PAGE) if slot_bytes is not None else slot_data_bytes(batch_bytes or 0)
     wanted = num_workers * prefetch_factor + 1
     if memory_budget is None:
         return RingGeometry(num_workers, wanted, size)
-    for room in (size, 0):
-        for slots in range(wanted, num_workers - 1, -1):
+    fewest = 1 if in_use else num_workers
+    for room, least in ((size, num_workers), (0, num_workers), (0, fewest)):
+        for slots in range(wanted, least - 1, -1):
             g = RingGeometry(num_workers, slots, size)
             if in_use + g.total_bytes + room <= memory_budget:
                 return g

@@ -415,8 +415,10 @@ class RingIterator(_BaseDataLoaderIter):
                          0 if stager is None else len(stager.copying))
 
     def worker_busy(self) -> tuple[float, ...]:
-        ring = self._life.ring
-        return () if ring is None else worker_busy(ring.counters)
+        life = self._life
+        if life.busy is not None:
+            return life.busy  # (stopped: the ring's counters went back with its control pages)
+        return () if life.ring is None else worker_busy(life.ring.counters)
 
     # ----------------------------------------------------------- shutdown
     def _shutdown_workers(self) -> None:

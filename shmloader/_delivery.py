@@ -144,8 +144,8 @@ class Delivery:
                 self.counters.copies += 1
                 del base
                 self.sched.give_back(slot)
-                if nbytes >= COPY_HELD_UNDER:
-                    self.sched.own = True
+                if nbytes >= COPY_HELD_UNDER and self.broker.room_beside(ring, nbytes):
+                    self.sched.own = True  # (under a memory_budget with no room for that, they stay copies)
             else:
                 leases.lend(slot, base)
         self.counters.batches += 1

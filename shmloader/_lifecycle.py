@@ -29,7 +29,7 @@ from ._overflow import OverflowBroker, RingShare
 from ._pool import WorkerPool
 from ._ring import Doorbell, Ring
 from ._slots import Scheduler
-from ._stats import Counters
+from ._stats import Counters, worker_busy
 from ._produce import WorkerConfig
 
 Steps = Generator[tuple[Any, ...], None, Any]
@@ -82,6 +82,7 @@ class Lifecycle:
         # The first batch's probe, sent and not answered: (worker, seq, index, the process asked).
         # Kept here so that a start-up whose wait an async for cancelled goes on where it was.
         self.probing: tuple[int, int, Any, Any] | None = None
+        self.busy: tuple[float, ...] | None = None  # each worker's busy share when they stopped
 
     # -------------------------------------------------------------- start
     def start(self, sampler: Any, batch_bytes: int | None, slot_bytes: int | None, prefetch_factor: int,
@@ -346,7 +347,8 @@ class Lifecycle:
                 stager.stream.synchronize()  # no DMA may outlive the mapping it reads
             self.pool.stop(self.ring)
             if self.ring is not None:  # nobody writes it now: what nobody holds goes back
-                kept = self.ring.give_back(self.delivery.kept())
+                self.busy = worker_busy(self.ring.counters)  # (the counters' pages go back too)
+                kept = self.ring.give_back(self.delivery.kept(), control=True)
                 if self.share is not None:
                     self.share.resize(kept)
         finally:

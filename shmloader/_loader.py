@@ -100,11 +100,14 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         memory_budget: bytes (or a string such as ``"512MiB"``, ``"2GiB"``) of shared memory
             the loader may use: the ring plus the overflow memory of batches that do not fit a
             slot. The ring is sized to fit with room beside it for one overflow batch (fewer
-            slots first, down to one per worker); a worker whose oversized batch finds no room
-            waits until held batches are dropped; when only the batches the caller holds could
-            make room for the batch it waits for, that batch comes as a pickled copy.
-            ``MemoryBudgetError`` when one slot per worker cannot hold a batch, or when one
-            batch is larger than the budget leaves beside the ring. It bounds shared memory,
+            slots first, down to one per worker; below that only beside memory held from
+            before, such as the batch a loop holds into the next epoch); a worker whose
+            oversized batch finds no room waits until held batches are dropped; when only the
+            batches the caller holds could make room for the batch it waits for, that batch
+            comes as a pickled copy. A batch that fits a slot never fails: held ones are copied
+            when the budget has no room for memory of their own. ``MemoryBudgetError`` at the
+            first batch when one slot per worker cannot hold it (with the size that would), or
+            when one batch is larger than the budget leaves beside the ring. It bounds shared memory,
             not the workers' own Python and dataset memory.
         max_worker_restarts: how many dead workers (SIGKILL, OOM killer, a crash in C) the
             loader replaces over its lifetime, dispatching their tasks again so every batch

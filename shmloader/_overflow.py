@@ -189,6 +189,12 @@ class OverflowBroker:
             return
         self.grow_to = max(self.grow_to or 0, target)
 
+    def room_beside(self, ring: Ring, nbytes: int) -> bool:
+        """Whether ``memory_budget`` leaves room beside ``ring`` for a batch of ``nbytes`` in
+        memory of its own: tasks are posted ``own`` only then, or a batch that fits a slot would
+        ask for memory it can never have."""
+        return self.budget is None or ring.geometry.total_bytes + round_up(nbytes, PAGE) <= self.budget
+
     def requested(self, slot: int, needed: int, own: bool, sched: Scheduler, ring: Ring, send: Callable[..., Any],
                   pinned: bool, staging: bool) -> None:
         """``slot``'s worker asks for ``needed`` bytes of overflow memory (its result is published
@@ -262,6 +268,8 @@ class OverflowBroker:
             return True
         g = ring.geometry
         if g.total_bytes + size > budget:
+            if size <= g.data_bytes:  # it fits a slot (an own task's): never an error, a copy
+                return None
             raise MemoryBudgetError(
                 f"batch {seq} needs {size:,} bytes, more than memory_budget={budget:,} leaves beside the "
                 f"ring ({g.total_bytes:,} bytes: {g.num_slots} slots of {g.data_bytes:,}). Raise "

@@ -185,13 +185,17 @@ class Ring(_Views):
             q[i] = 0
         self.tails[worker] = 0
 
-    def give_back(self, keep: set[int]) -> int:
+    def give_back(self, keep: set[int], control: bool = False) -> int:
         """Return the memory of every slot but those in ``keep`` to the system (``MADV_REMOVE``:
         the pages leave the segment, which reads zeros there from now on), once nobody will
         write or read them again: the workers are gone, and the batches the user still holds
         are in ``keep``. A ring outlived by one held batch then costs that batch's slot, not
-        the whole ring. Returns the bytes still kept."""
+        the whole ring. With ``control`` (the ring is retired: no worker waits on its
+        semaphores or reads its queues), the control region goes too, so the next epoch's
+        ring fits wherever the one before fitted. Returns the bytes still kept."""
         g = self.geometry
+        if control:
+            self.mm.madvise(mmap.MADV_REMOVE, 0, g.control_bytes)
         runs: list[tuple[int, int]] = []  # (first slot, slots) of each run of slots given back
         for slot in range(g.num_slots):
             if slot in keep:
@@ -202,7 +206,7 @@ class Ring(_Views):
                 runs.append((slot, 1))
         for first, count in runs:
             self.mm.madvise(mmap.MADV_REMOVE, g.slot_offset(first), count * g.slot_stride)
-        return g.control_bytes + len(keep) * g.slot_stride
+        return (0 if control else g.control_bytes) + len(keep) * g.slot_stride
 
     def close(self) -> None:
         """Unlink the name and close the fd (the mapping lives on while batches view it)."""

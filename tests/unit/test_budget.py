@@ -8,7 +8,7 @@ import pytest
 
 import shmloader
 from shmloader._budget import parse_size, plan_ring
-from shmloader._layout import slot_data_bytes
+from shmloader._layout import RingGeometry, slot_data_bytes
 
 
 @pytest.mark.parametrize(
@@ -56,3 +56,18 @@ def test_budget_too_small_for_one_slot_per_worker() -> None:
         plan_ring(2, 2, 1 << 20, None, 2 << 20)
     with pytest.raises(shmloader.MemoryBudgetError, match=r"\(slot_bytes\)"):
         plan_ring(2, 2, None, 1 << 20, 2 << 20)
+
+
+def test_memory_held_from_before_may_take_the_ring_below_one_slot_per_worker() -> None:
+    # The loop's batch held as the next epoch begins: 4 workers, a budget of 4 slots, one of
+    # them still held. The next ring takes the 3 slots left (workers take turns), not an error.
+    size = slot_data_bytes(15 << 20)
+    four = RingGeometry(4, 4, size)
+    held = four.slot_stride
+    g = plan_ring(4, 2, 15 << 20, None, four.total_bytes, in_use=held)
+    assert g.num_slots == 3 and g.total_bytes + held <= four.total_bytes
+    with pytest.raises(shmloader.MemoryBudgetError, match="beside the .* bytes this loader already holds"):
+        plan_ring(4, 2, 15 << 20, None, four.total_bytes, in_use=4 * held)
+    # With nothing held, one slot per worker stays the floor.
+    with pytest.raises(shmloader.MemoryBudgetError, match="cannot hold one slot per worker"):
+        plan_ring(4, 2, 15 << 20, None, four.total_bytes - 1)
