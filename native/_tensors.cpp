@@ -14,6 +14,12 @@
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <atomic>
+#include <cerrno>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <vector>
 #include <cstring>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -56,7 +62,11 @@ PyObject *stack_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
             Py_RETURN_FALSE;
         char *dst = static_cast<char *>(out.data_ptr());
         size_t total = out.nbytes(), each = total / static_cast<size_t>(n);
-        /* Every sample checked before any byte is written: on False the slot is as it was. */
+        /* Every sample checked before any byte is written: on False the slot is as it was. Each
+           is kept (a tensor reference: its storage lives) so the copy runs without the GIL, and
+           a thread of the dataset's own is not stalled by it, whatever it does to the list. */
+        std::vector<at::Tensor> kept;
+        kept.reserve(static_cast<size_t>(n));
         for (Py_ssize_t i = 0; i < n; i++) {
             PyObject *item = PySequence_Fast_GET_ITEM(samples, i);
             if (!THPVariable_CheckExact(item)) Py_RETURN_FALSE; /* subclasses: their __torch_function__ */
@@ -64,12 +74,12 @@ PyObject *stack_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
             if (!plain_sample(t, out) || t.nbytes() != each) Py_RETURN_FALSE;
             if (each && overlaps(static_cast<const char *>(t.const_data_ptr()), each, dst, total))
                 Py_RETURN_FALSE; /* torch.stack raises for a sample inside its output */
+            kept.push_back(t);
         }
         if (each) {
-            for (Py_ssize_t i = 0; i < n; i++) {
-                const at::Tensor &t = THPVariable_Unpack(PySequence_Fast_GET_ITEM(samples, i));
-                std::memcpy(dst + static_cast<size_t>(i) * each, t.const_data_ptr(), each);
-            }
+            Py_BEGIN_ALLOW_THREADS
+            for (size_t i = 0; i < kept.size(); i++) std::memcpy(dst + i * each, kept[i].const_data_ptr(), each);
+            Py_END_ALLOW_THREADS
         }
         out.unsafeGetTensorImpl()->bump_version(); /* an in-place write, as stack(out=) counts it */
     } catch (const std::exception &e) {
@@ -107,6 +117,33 @@ bool scalar_type_of(const Py_buffer &b, c10::ScalarType *out) {
     return false;
 }
 
+/* Tests make the next from_blob calls fail (_fail_from_blob): its error paths must give back
+   what they hold (an exported buffer, a mapping). */
+int failing_blobs = 0;
+
+at::Tensor blob(void *data, at::IntArrayRef sizes, const std::function<void(void *)> &deleter,
+                const at::TensorOptions &options) {
+    if (failing_blobs > 0) {
+        failing_blobs--;
+        throw std::runtime_error("from_blob failed (injected by _fail_from_blob)");
+    }
+    return at::from_blob(data, sizes, deleter, options);
+}
+
+/* A buffer exported for a tensor's life, released exactly once: by the tensor's deleter, or
+   by the caller when the tensor was never made (whether or not from_blob ran the deleter). */
+struct Export {
+    Py_buffer view;
+    std::atomic<bool> released{false};
+    void release() {
+        if (released.exchange(true)) return;
+        if (!Py_IsInitialized()) return; /* (the interpreter is finishing: left to the process's end) */
+        PyGILState_STATE gil = PyGILState_Ensure();
+        PyBuffer_Release(&view);
+        PyGILState_Release(gil);
+    }
+};
+
 PyObject *from_array(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 1) {
         PyErr_SetString(PyExc_TypeError, "from_array takes one C-contiguous writable array");
@@ -114,39 +151,51 @@ PyObject *from_array(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     }
     /* The buffer stays exported until the tensor's memory goes (its deleter releases it): the
        exporter can then neither resize nor unmap what the tensor views. */
-    Py_buffer *view = new Py_buffer;
+    auto exported = std::make_shared<Export>();
+    Py_buffer *view = &exported->view;
     if (PyObject_GetBuffer(args[0], view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
-        delete view;
+        exported->released = true;
         return NULL;
     }
     c10::ScalarType type;
     if (!scalar_type_of(*view, &type)) {
-        PyBuffer_Release(view);
-        delete view;
+        exported->release();
         PyErr_SetString(PyExc_TypeError, "from_array: a dtype torch has no tensor of");
         return NULL;
     }
-    auto release = [view](void *) {
-        if (!Py_IsInitialized()) return; /* (the interpreter is finishing: left to the process's end) */
-        PyGILState_STATE gil = PyGILState_Ensure();
-        PyBuffer_Release(view);
-        PyGILState_Release(gil);
-        delete view;
-    };
     at::Tensor t;
     try {
-        t = at::from_blob(view->buf, std::vector<int64_t>(view->shape, view->shape + view->ndim), release,
-                          at::TensorOptions().dtype(type));
-    } catch (const std::exception &e) { /* (from_blob only throws for sizes a valid buffer cannot have) */
+        t = blob(view->buf, std::vector<int64_t>(view->shape, view->shape + view->ndim),
+                 [exported](void *) { exported->release(); }, at::TensorOptions().dtype(type));
+    } catch (const std::exception &e) { /* (from_blob throws only for sizes a valid buffer cannot have) */
+        exported->release(); /* (a no-op if from_blob's own cleanup ran the deleter) */
         PyErr_SetString(PyExc_RuntimeError, e.what());
         return NULL;
     }
     return THPVariable_Wrap(std::move(t));
 }
 
-/* A copy of a contiguous CPU tensor in pages of its own, mapped populated: a held batch copied
-   out of its slot touches every page of fresh memory, and one populated mapping costs less
-   than a page fault per page. */
+/* A copy of a contiguous CPU tensor in a memory file of its own (memfd), written with pwrite
+   and mapped without populating: the pages are where torch's held batches are (shared memory
+   that no other process maps), so a process's PSS counts them once they are read, as it counts
+   torch's; the machine counts them at once either way. One system call copies every page. */
+static int copy_to_memfd(const void *from, size_t nbytes, size_t mapped, void **out) {
+    int fd = memfd_create("shmloader-copy", MFD_CLOEXEC);
+    if (fd < 0) return -1;
+    int ok = ftruncate(fd, static_cast<off_t>(mapped)) == 0;
+    for (size_t done = 0; ok && done < nbytes;) {
+        ssize_t n = pwrite(fd, static_cast<const char *>(from) + done, nbytes - done, static_cast<off_t>(done));
+        if (n > 0) done += static_cast<size_t>(n);
+        else if (n < 0 && errno == EINTR) continue;
+        else ok = 0;
+    }
+    void *p = ok ? mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+    close(fd);
+    if (p == MAP_FAILED) return -1;
+    *out = p;
+    return 0;
+}
+
 PyObject *copy_out(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 1 || !THPVariable_Check(args[0])) {
         PyErr_SetString(PyExc_TypeError, "copy_out takes one tensor");
@@ -162,28 +211,46 @@ PyObject *copy_out(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         static const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
         size_t nbytes = src.nbytes(), mapped = (nbytes + page - 1) / page * page;
         const void *from = src.const_data_ptr();
-        void *p;
+        void *p = NULL;
+        int failed;
         Py_BEGIN_ALLOW_THREADS
-        p = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-        if (p != MAP_FAILED) std::memcpy(p, from, nbytes);
+        failed = copy_to_memfd(from, nbytes, mapped, &p);
         Py_END_ALLOW_THREADS
-        if (p == MAP_FAILED) Py_RETURN_NONE; /* (no memory, or no mapping left: clone tries the allocator) */
-        at::Tensor t = at::from_blob(
-            p, src.sizes(), [mapped](void *q) { munmap(q, mapped); }, at::TensorOptions().dtype(src.scalar_type()));
-        return THPVariable_Wrap(std::move(t));
+        if (failed) Py_RETURN_NONE; /* (no memory, or no fd or mapping left: clone tries the allocator) */
+        auto mapping = std::make_shared<std::atomic<void *>>(p); /* unmapped once, by whoever is last */
+        auto unmap = [mapping, mapped](void *) {
+            void *q = mapping->exchange(nullptr);
+            if (q != nullptr) munmap(q, mapped);
+        };
+        try {
+            at::Tensor t = blob(p, src.sizes(), unmap, at::TensorOptions().dtype(src.scalar_type()));
+            return THPVariable_Wrap(std::move(t));
+        } catch (...) {
+            unmap(nullptr);
+            throw;
+        }
     } catch (const std::exception &e) {
         PyErr_SetString(PyExc_RuntimeError, e.what());
         return NULL;
     }
 }
 
+PyObject *fail_from_blob(PyObject *self, PyObject *arg) {
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    failing_blobs = static_cast<int>(n);
+    Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
+    {"_fail_from_blob", fail_from_blob, METH_O,
+     "_fail_from_blob($module, n, /)\n--\n\nMake the next n tensors made over memory fail (for tests)."},
     {"copy_out", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(copy_out)), METH_FASTCALL,
      "copy_out($module, tensor, /)\n--\n\n"
      "tensor.clone() for a plain contiguous CPU tensor (exact torch.Tensor, no grad,\n"
-     "conjugate or negative bit), into pages of its own mapped populated (one system call for\n"
-     "every page, not a fault each); None for anything else, or when no pages could be\n"
-     "mapped (clone it)."},
+     "conjugate or negative bit), into a memory file of its own (memfd, one pwrite for every\n"
+     "page), mapped unpopulated: shared memory nobody else maps, as torch's batches are; None\n"
+     "for anything else, or when no memory could be had (clone it)."},
     {"from_array", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(from_array)), METH_FASTCALL,
      "from_array($module, array, /)\n--\n\n"
      "torch.from_numpy(array) for a C-contiguous writable array of a dtype torch has (what\n"

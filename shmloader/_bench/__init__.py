@@ -117,37 +117,48 @@ def run(args: argparse.Namespace) -> tuple[list[Result], list[str]]:
 
 
 def run_memory(args: argparse.Namespace) -> tuple[list[MemoryResult], list[str]]:
-    """``--memory``: each loader's peak over two epochs of ``batches`` batches, with torch's
-    default (workers stopped after each epoch) and with persistent workers."""
+    """``--memory``: each loader's peak over two epochs of ``batches`` batches (a replay
+    buffer's workload: three epochs of a third of them, every batch kept), with torch's default
+    (workers stopped after each epoch) and with persistent workers."""
     workloads, loaders, notes = _selected(args)
     rounds = args.rounds
     bar = _progress(len(workloads) * len(loaders) * rounds * 2)
     results: list[MemoryResult] = []
     for w in workloads:
         batches = args.batches or (w.quick_batches if args.quick else w.batches)
+        epochs = 3 if w.hold else 2
+        if w.hold:
+            batches = max(1, batches // epochs)  # every batch of the run kept: the epochs share them
         dataset = w.make(args.cache, args.quick, args.data, batches * w.batch_size)
         for persistent in (False, True):
             peaks: dict[str, dict[int, float]] = {ld.name: {} for ld in loaders}  # loader -> round -> MiB
+            trees: dict[str, dict[int, float]] = {ld.name: {} for ld in loaders}  # the tree's PSS peaks
             for r, ld in _alternated(loaders, rounds):
                 if bar is not None:
                     bar.set_description(f"{w.name} / {ld.name} / persistent={persistent}")
                 budget = args.memory_budget if ld.name == "shmloader" else None
                 try:
-                    peaks[ld.name][r] = peak_memory(_maker(args, w, ld, dataset, budget, persistent), 2, w.hold)
+                    peaks[ld.name][r], trees[ld.name][r] = peak_memory(
+                        _maker(args, w, ld, dataset, budget, persistent), epochs, w.hold)
                 except Exception as exc:
                     notes.append(f"{w.name} / {ld.name}: failed: {type(exc).__name__}: {exc}")
                 if bar is not None:
                     bar.update()
-            base = peaks.get("torch", {})
             for name, own in peaks.items():
                 if own:
-                    paired = [mb / base[k] for k, mb in own.items() if base.get(k)]
+                    tree = trees[name]
                     results.append(MemoryResult(w.name, name, persistent, statistics.median(own.values()),
-                                                [own[k] for k in sorted(own)],
-                                                statistics.median(paired) if paired else None))
+                                                [own[k] for k in sorted(own)], _peak_ratio(own, peaks.get("torch", {})),
+                                                statistics.median(tree.values()), _peak_ratio(tree, trees.get("torch", {}))))
     if bar is not None:
         bar.close()
     return results, notes
+
+
+def _peak_ratio(own: dict[int, float], base: dict[int, float]) -> float | None:
+    """The median of each round's peak over torch's (None without torch)."""
+    paired = [mb / base[k] for k, mb in own.items() if base.get(k)]
+    return statistics.median(paired) if paired else None
 
 
 def _selected(args: argparse.Namespace) -> tuple[list[Workload], list[Loader], list[str]]:
@@ -284,12 +295,15 @@ def latency_table(results: list[Result]) -> str:
 
 
 def memory_table(results: list[MemoryResult]) -> str:
-    rows = ["| workload | loader | persistent_workers | peak MiB above baseline (median; each round) | vs torch |",
-            "|" + "---|" * 5]
+    rows = ["| workload | loader | persistent_workers | peak MiB above baseline (median; each round) | vs torch "
+            "| tree PSS MiB | vs torch |",
+            "|" + "---|" * 7]
     for r in results:
         ratio = "" if r.ratio_to_torch is None else f"{r.ratio_to_torch:.2f}x"
+        tree = "" if r.tree_ratio_to_torch is None else f"{r.tree_ratio_to_torch:.2f}x"
         rounds = ", ".join(f"{mb:,.0f}" for mb in r.round_mb)
-        rows.append(f"| {r.workload} | {r.loader} | {r.persistent_workers} | {r.peak_mb:,.0f} ({rounds}) | {ratio} |")
+        rows.append(f"| {r.workload} | {r.loader} | {r.persistent_workers} | {r.peak_mb:,.0f} ({rounds}) | {ratio} "
+                    f"| {r.tree_pss_mb:,.0f} | {tree} |")
     return "\n".join(rows)
 
 
@@ -363,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
           + (f" rounds={args.rounds} (alternated; vs torch: the median of each round's ratio)" if args.rounds > 1 else ""))
     if args.memory:
         print("# peak of the process tree's private PSS plus the system's shared-memory growth, above the "
-              "baseline before the loader existed, over two epochs")
+              "baseline before the loader existed, over two epochs (hold: three, every batch kept, a random "
+              "kept one read each step); tree PSS: the tree's PSS with its shared pages (psutil's, smem's)")
         print(memory_table(peaks))
     elif args.ceiling:
         print(ceiling_table(results))

@@ -16,6 +16,7 @@ import ctypes
 import dataclasses
 import gc
 import os
+import random
 import resource
 import statistics
 import threading
@@ -194,6 +195,10 @@ class PeakMemory:
         self._lock = threading.Lock()
         self._pss = 0
         self.peak = 0
+        # The tree's PSS with its shared pages, as a user's psutil or smem reads it: shared
+        # memory counts only where a process of the tree has touched it (torch's batches that
+        # the loop kept and never read live in /dev/shm and in no process's PSS).
+        self.tree_peak = 0
         self.sample()
         self._interval = interval
         self._every = max(1, round(pss_interval / interval))
@@ -205,7 +210,9 @@ class PeakMemory:
         """Read the shared memory (and the tree's PSS) now; keep the peak of their sum."""
         with self._lock:
             if pss:
-                self._pss = pss_bytes(_tree(os.getpid()), shared=False)
+                tree = _tree(os.getpid())
+                self._pss = pss_bytes(tree, shared=False)
+                self.tree_peak = max(self.tree_peak, pss_bytes(tree))
             self.peak = max(self.peak, self._pss + max(0, shmem_bytes() - self._shmem0))
 
     def _run(self) -> None:
@@ -219,6 +226,18 @@ class PeakMemory:
         self._thread.join()
         self.sample()
         return self.peak
+
+
+def read(batch: Any) -> None:
+    """Read every byte of a batch's tensors (a training step over a replayed batch)."""
+    if isinstance(batch, torch.Tensor):
+        batch.sum()
+    elif isinstance(batch, dict):
+        for v in batch.values():
+            read(v)
+    elif isinstance(batch, (list, tuple)):
+        for v in batch:
+            read(v)
 
 
 def batch_bytes(batch: Any) -> int:
@@ -281,30 +300,37 @@ class MemoryResult:
     peak_mb: float  # the median over rounds of the peak above the baseline (``peak_memory``)
     round_mb: list[float]  # each round's, in round order
     ratio_to_torch: float | None  # the median of each round's ratio to torch's peak (None without torch)
+    tree_pss_mb: float = 0.0  # the median over rounds of the tree's PSS peak (shared pages included)
+    tree_ratio_to_torch: float | None = None  # the median of each round's ratio to torch's
 
 
-def peak_memory(make: Callable[[], Any], epochs: int, hold: bool) -> float:
-    """MiB of the peak, above the baseline just before the loader existed, of the process tree's
-    private PSS plus the system's shared-memory growth, while ``epochs`` epochs run. The loop is
-    a user's: ``batch`` stays bound from one epoch's end into the next's start (every batch is
-    kept with ``hold``). The tree's PSS is read every 10 batches as well as by the sampling
-    thread, so a short run's workers count."""
+def peak_memory(make: Callable[[], Any], epochs: int, hold: bool) -> tuple[float, float]:
+    """MiB of the peaks, above the baseline just before the loader existed, while ``epochs``
+    epochs run: of the process tree's private PSS plus the system's shared-memory growth (what
+    the machine gave), and of the tree's PSS with its shared pages (what psutil or smem would
+    say). The loop is a user's: ``batch`` stays bound from one epoch's end into the next's
+    start; with ``hold`` every batch is kept and a random kept one is read each step (a replay
+    buffer). The tree's PSS is read every 10 batches as well as by the sampling thread, so a
+    short run's workers count."""
     gc.collect()
-    baseline = pss_bytes(_tree(os.getpid()), shared=False)
+    tree = _tree(os.getpid())
+    baseline, tree_baseline = pss_bytes(tree, shared=False), pss_bytes(tree)
     memory = PeakMemory(interval=0.01, pss_interval=0.5)
     loader = make()
     kept = []
     batch = None
+    replay = random.Random(0)
     for _ in range(epochs):
         for i, batch in enumerate(loader):
             if hold:
                 kept.append(batch)
+                read(kept[replay.randrange(len(kept))])
             memory.sample(pss=i % 10 == 0)
         memory.sample()
     peak = memory.stop()
     del kept, batch
     _close(loader)
-    return (peak - baseline) / 2**20
+    return (peak - baseline) / 2**20, (memory.tree_peak - tree_baseline) / 2**20
 
 
 def measure(

@@ -287,3 +287,38 @@ def test_copy_leaf_copies_large_tensors_out_and_small_ones_by_clone() -> None:
         out = _lease.copy_leaf(leaf, int(Kind.TENSOR))
         assert torch.equal(out, leaf) and out.data_ptr() != leaf.data_ptr()
     assert _lease.copy_leaf(big, int(Kind.TENSOR)).data_ptr() % 4096 == 0  # its own pages
+
+
+def copies_mapped() -> int:
+    """Mappings of held batches' copies (``copy_out``'s memory files) in this process."""
+    with open("/proc/self/maps") as maps:
+        return sum(1 for line in maps if line.rstrip().endswith("/memfd:shmloader-copy (deleted)")
+                   or line.rstrip().endswith("/memfd:shmloader-copy"))
+
+
+def test_copy_out_is_a_memory_file_of_its_own_unmapped_with_the_tensor() -> None:
+    src = torch.arange(70_000, dtype=torch.float32)
+    before = copies_mapped()
+    out = _tensors.copy_out(src)
+    assert out is not None and torch.equal(out, src) and out.data_ptr() != src.data_ptr()
+    assert copies_mapped() == before + 1
+    del out
+    assert copies_mapped() == before
+
+
+def test_a_failed_from_blob_gives_back_the_buffer_and_the_mapping() -> None:
+    mm = mmap.mmap(-1, 4096)
+    array = np.frombuffer(mm, dtype=np.float32)
+    before = copies_mapped()
+    _tensors._fail_from_blob(2)
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            _tensors.from_array(array)
+        with pytest.raises(RuntimeError, match="injected"):
+            _tensors.copy_out(torch.ones(70_000))
+    finally:
+        _tensors._fail_from_blob(0)
+    assert copies_mapped() == before  # copy_out's memory file unmapped
+    del array
+    mm.close()  # BufferError if from_array had left its buffer exported
+
