@@ -99,6 +99,11 @@ PyDoc_STRVAR(encode_table_doc,
 "or a shape is not a tuple. It reads a tuple copy of `leaves`, so no Python code\n"
 "that runs meanwhile can change what it reads.");
 
+/* What a slot that fails validation raises: shmloader.CorruptSlotError (a ValueError), once
+   shmloader._errors has handed it over (set_corrupt_error); a plain ValueError before. */
+static PyObject *corrupt_type = NULL;
+#define corrupt_error (corrupt_type != NULL ? corrupt_type : PyExc_ValueError)
+
 static PyObject *encode_table(PyObject *self, PyObject *args) {
     Py_buffer view;
     Py_ssize_t offset, limit;
@@ -190,18 +195,18 @@ PyDoc_STRVAR(decode_table_doc,
 /* The leaves of the table at base[0:length] (validated; see decode_table), or NULL with ValueError. */
 static PyObject *decode_entries(const char *base, Py_ssize_t length, long long data_limit) {
     if (length < TABLE_HEAD) {
-        PyErr_Format(PyExc_ValueError, "leaf table of %zd bytes is shorter than its head", length);
+        PyErr_Format(corrupt_error, "leaf table of %zd bytes is shorter than its head", length);
         return NULL;
     }
     uint32_t head[2];
     memcpy(head, base, sizeof head);
     if (head[0] != TABLE_MAGIC) {
-        PyErr_Format(PyExc_ValueError, "leaf table magic is 0x%08x, expected 0x%08x", head[0], TABLE_MAGIC);
+        PyErr_Format(corrupt_error, "leaf table magic is 0x%08x, expected 0x%08x", head[0], TABLE_MAGIC);
         return NULL;
     }
     Py_ssize_t count = head[1];
     if (count > (length - TABLE_HEAD) / ENTRY_FIXED) {
-        PyErr_Format(PyExc_ValueError, "leaf table claims %zd leaves but holds %zd bytes", count, length);
+        PyErr_Format(corrupt_error, "leaf table claims %zd leaves but holds %zd bytes", count, length);
         return NULL;
     }
     PyObject *out = PyList_New(count);
@@ -212,7 +217,7 @@ static PyObject *decode_entries(const char *base, Py_ssize_t length, long long d
         if (ENTRY_FIXED > length - pos) goto truncated;
         memcpy(&h, base + pos, sizeof h);
         if (h.code >= N_CODES || h.kind >= N_KINDS || h.ndim > MAX_NDIM) {
-            PyErr_Format(PyExc_ValueError, "leaf %zd: unknown dtype code %u, kind %u or ndim %u",
+            PyErr_Format(corrupt_error, "leaf %zd: unknown dtype code %u, kind %u or ndim %u",
                          i, h.code, h.kind, h.ndim);
             goto fail;
         }
@@ -222,13 +227,13 @@ static PyObject *decode_entries(const char *base, Py_ssize_t length, long long d
         memcpy(dims, base + pos + ENTRY_FIXED, 8 * (size_t)h.ndim);
         int64_t nbytes = leaf_nbytes(h.code, dims, h.ndim);
         if (nbytes < 0 || (uint64_t)nbytes != h.nbytes) {
-            PyErr_Format(PyExc_ValueError, "leaf %zd: shape does not match its %llu bytes",
+            PyErr_Format(corrupt_error, "leaf %zd: shape does not match its %llu bytes",
                          i, (unsigned long long)h.nbytes);
             goto fail;
         }
         if (h.offset % LEAF_ALIGN != 0 || h.offset > (uint64_t)data_limit ||
             h.nbytes > (uint64_t)data_limit - h.offset) {
-            PyErr_Format(PyExc_ValueError, "leaf %zd: bytes [%llu, +%llu) outside the %lld-byte data region",
+            PyErr_Format(corrupt_error, "leaf %zd: bytes [%llu, +%llu) outside the %lld-byte data region",
                          i, (unsigned long long)h.offset, (unsigned long long)h.nbytes, data_limit);
             goto fail;
         }
@@ -247,7 +252,7 @@ static PyObject *decode_entries(const char *base, Py_ssize_t length, long long d
     }
     return out;
 truncated:
-    PyErr_Format(PyExc_ValueError, "leaf table truncated: %zd leaves do not fit in %zd bytes", count, length);
+    PyErr_Format(corrupt_error, "leaf table truncated: %zd leaves do not fit in %zd bytes", count, length);
 fail:
     Py_DECREF(out);
     return NULL;
@@ -260,7 +265,7 @@ static PyObject *decode_table(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*nnL", &view, &offset, &length, &data_limit)) return NULL;
     PyObject *out = NULL;
     if (offset < 0 || length < TABLE_HEAD || offset > view.len || length > view.len - offset || data_limit < 0) {
-        PyErr_Format(PyExc_ValueError, "leaf table [%zd, +%zd) outside buffer of %zd bytes",
+        PyErr_Format(corrupt_error, "leaf table [%zd, +%zd) outside buffer of %zd bytes",
                      offset, length, view.len);
     } else {
         out = decode_entries((const char *)view.buf + offset, length, data_limit);
@@ -285,11 +290,11 @@ PyDoc_STRVAR(read_slot_doc,
 static int slot_fields(const Py_buffer *hview, Py_ssize_t header, const Py_buffer *dview, Py_ssize_t region,
                        long long cap, int64_t f[N_HEADER_FIELDS]) {
     if (header < 0 || header % 8 != 0 || header > hview->len || N_HEADER_FIELDS * 8 > hview->len - header) {
-        PyErr_Format(PyExc_ValueError, "header at %zd outside the buffer", header);
+        PyErr_Format(corrupt_error, "header at %zd outside the buffer", header);
         return -1;
     }
     if (region < 0 || cap < 0 || region > dview->len || cap > dview->len - region) {
-        PyErr_Format(PyExc_ValueError, "data region [%zd, +%lld) outside the buffer", region, cap);
+        PyErr_Format(corrupt_error, "data region [%zd, +%lld) outside the buffer", region, cap);
         return -1;
     }
     memcpy(f, (const char *)hview->buf + header, N_HEADER_FIELDS * sizeof f[0]);
@@ -297,7 +302,7 @@ static int slot_fields(const Py_buffer *hview, Py_ssize_t header, const Py_buffe
     for (int k = 0; k < 2; k++) {
         int64_t off = f[k ? F_PICKLED_OFF : F_TABLE_OFF], len = f[k ? F_PICKLED_LEN : F_TABLE_LEN];
         if (off < 0 || len < 0 || off > cap || len > cap - off) {
-            PyErr_Format(PyExc_ValueError, "%s [%lld, +%lld) lies outside the slot's %lld-byte data region",
+            PyErr_Format(corrupt_error, "%s [%lld, +%lld) lies outside the slot's %lld-byte data region",
                          what[k], (long long)off, (long long)len, cap);
             return -1;
         }
@@ -334,7 +339,7 @@ static PyObject *read_slot(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_ssize_t lone_len;
     if (PyErr_Occurred() || PyBytes_AsStringAndSize(args[8], &lone, &lone_len) < 0) goto done;
     if (data < 0 || cap < 0 || data > dview.len || cap > dview.len - data) {
-        PyErr_Format(PyExc_ValueError, "data region [%zd, +%lld) outside the buffer", data, cap);
+        PyErr_Format(corrupt_error, "data region [%zd, +%lld) outside the buffer", data, cap);
         goto done;
     }
     int64_t f[N_HEADER_FIELDS];
@@ -411,7 +416,7 @@ static PyObject *lend_lone(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (f[region_field] != slot_region || !skeleton_is(f, base, skeleton, skeleton_len)) goto none;
     entries = decode_entries(base + f[F_TABLE_OFF], (Py_ssize_t)f[F_TABLE_LEN], cap);
     if (entries == NULL) {
-        if (!PyErr_ExceptionMatches(PyExc_ValueError)) goto done;
+        if (!PyErr_ExceptionMatches(corrupt_error)) goto done;
         PyErr_Clear();
         goto none;
     }
@@ -544,7 +549,22 @@ static PyObject *unviewed(PyObject *self, PyObject *const *args, Py_ssize_t narg
     return out;
 }
 
+PyDoc_STRVAR(set_corrupt_error_doc, "set_corrupt_error(type, /)\n--\n\n"
+"The exception type a slot that fails validation raises (shmloader.CorruptSlotError, a\n"
+"subclass of ValueError).");
+
+static PyObject *set_corrupt_error(PyObject *self, PyObject *type) {
+    if (!PyType_Check(type) || !PyType_IsSubtype((PyTypeObject *)type, (PyTypeObject *)PyExc_ValueError)) {
+        PyErr_SetString(PyExc_TypeError, "set_corrupt_error takes a subclass of ValueError");
+        return NULL;
+    }
+    Py_INCREF(type);
+    Py_XSETREF(corrupt_type, type);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"set_corrupt_error", set_corrupt_error, METH_O, set_corrupt_error_doc},
     {"unviewed", (PyCFunction)(void (*)(void))unviewed, METH_FASTCALL, unviewed_doc},
     {"same_attr", (PyCFunction)(void (*)(void))same_attr, METH_FASTCALL, same_attr_doc},
     {"encode_table", encode_table, METH_VARARGS, encode_table_doc},

@@ -1140,7 +1140,25 @@ static PyObject *m_resize(Scheduler *t, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* The Python objects it holds (tasks' indices, the ring, its tails, unposted slots) may make
+   cycles through a user's sampler or dataset: the collector sees them. */
+static int scheduler_traverse(Scheduler *t, visitproc visit, void *arg) {
+    for (Py_ssize_t s = 0; t->index != NULL && s < t->n_slots; s++) Py_VISIT(t->index[s]);
+    Py_VISIT(t->ring);
+    Py_VISIT(t->tails);
+    Py_VISIT(t->unposted);
+    return 0;
+}
+
+static int scheduler_clear(Scheduler *t) {
+    for (Py_ssize_t s = 0; t->index != NULL && s < t->n_slots; s++) Py_CLEAR(t->index[s]);
+    Py_CLEAR(t->ring);
+    Py_CLEAR(t->tails);
+    return 0; /* (unposted stays a list: it holds ints only) */
+}
+
 static void scheduler_dealloc(Scheduler *t) {
+    PyObject_GC_UnTrack(t);
     free_slots(t);
     PyMem_Free(t->load);
     PyMem_Free(t->active);
@@ -1154,7 +1172,9 @@ static void scheduler_dealloc(Scheduler *t) {
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
-static int scheduler_init(Scheduler *t, PyObject *args, PyObject *kwargs) {
+/* Made whole in tp_new (there is no tp_init): no instance exists without its table, so no
+   method or attribute ever meets an uninitialised one. */
+static int scheduler_fill_in(Scheduler *t, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"num_slots", "num_workers", "cap", "in_order", "epoch", NULL};
     Py_ssize_t n_slots, n_workers, cap = -1;
     int in_order = 1;
@@ -1162,10 +1182,6 @@ static int scheduler_init(Scheduler *t, PyObject *args, PyObject *kwargs) {
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "nn|n$pL:Scheduler", kwlist, &n_slots, &n_workers, &cap,
                                      &in_order, &epoch))
         return -1;
-    if (t->load != NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "a Scheduler is initialised once");
-        return -1;
-    }
     if (n_slots < 1 || n_workers < 1 || n_slots > (1 << 24) || n_workers > (1 << 16)) {
         PyErr_Format(PyExc_ValueError, "Scheduler: %zd slots and %zd workers: each must be positive", n_slots, n_workers);
         return -1;
@@ -1185,6 +1201,16 @@ static int scheduler_init(Scheduler *t, PyObject *args, PyObject *kwargs) {
     return make_slots(t, n_slots);
 }
 
+static PyObject *scheduler_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    Scheduler *t = (Scheduler *)type->tp_alloc(type, 0);
+    if (t == NULL) return NULL;
+    if (scheduler_fill_in(t, args, kwargs) < 0) {
+        Py_DECREF(t);
+        return NULL;
+    }
+    return (PyObject *)t;
+}
+
 PyDoc_STRVAR(scheduler_doc,
 "Scheduler(num_slots, num_workers, cap=num_slots, *, in_order=True, epoch=0)\n--\n\n"
 "Every slot's state and the epoch's tasks (the slot table), the dispatch cursor, and the\n"
@@ -1194,11 +1220,12 @@ static PyTypeObject SchedulerType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "shmloader._native.Scheduler",
     .tp_basicsize = sizeof(Scheduler),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
     .tp_doc = scheduler_doc,
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)scheduler_init,
+    .tp_new = scheduler_new,
     .tp_dealloc = (destructor)scheduler_dealloc,
+    .tp_traverse = (traverseproc)scheduler_traverse,
+    .tp_clear = (inquiry)scheduler_clear,
     .tp_methods = scheduler_methods,
     .tp_getset = scheduler_getset,
 };

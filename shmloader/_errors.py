@@ -7,6 +7,8 @@ from typing import NoReturn
 
 from torch._utils import ExceptionWrapper
 
+from . import _native
+
 
 class ShmLoaderError(RuntimeError):
     """Base class of shmloader's own errors."""
@@ -21,8 +23,11 @@ class SharedMemoryFullError(ShmLoaderError, MemoryError):
     """The shared-memory filesystem cannot hold the ring."""
 
 
-class CorruptSlotError(ShmLoaderError):
+class CorruptSlotError(ShmLoaderError, ValueError):
     """A slot header failed validation; no tensor was built over it."""
+
+
+_native.set_corrupt_error(CorruptSlotError)  # what the native codec raises for a torn slot
 
 
 class WorkerDiedError(ShmLoaderError):

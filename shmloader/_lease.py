@@ -237,7 +237,7 @@ def read_batch(ring: Ring, slot: int, convert: LeafConverter | None = None,
     try:  # the header's spans, the leaf table, and whether the batch is one leaf: one call
         table, lone = _native.read_slot(ring.mm, ring.header_offsets[slot], described, at, room, mm, data_off, cap,
                                         LONE_LEAF)
-    except ValueError as exc:
+    except CorruptSlotError as exc:
         raise CorruptSlotError(f"slot {slot}: {exc}") from None
     if lone and len(table) == 1:
         code, kind, off, nbytes, shape = table[0]
