@@ -278,6 +278,9 @@ class RingIterator(_BaseDataLoaderIter):
         for wid in self._life.pool.dead():
             self._life.recover(wid, self._max_restarts, self._iterable and not _checkpoint.has_state(self._dataset))
         if self._deadline is not None and time.monotonic() >= self._deadline:
+            # torch's: raised at the deadline, and the iterator goes on (the next next() waits
+            # for the same batch again): nothing is stopped first, nothing is lost.
+            self._raising_batch_error = True
             raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
 
     # --------------------------------------------------------------- sync

@@ -107,8 +107,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             comes as a pickled copy. A batch that fits a slot never fails: held ones are copied
             when the budget has no room for memory of their own. ``MemoryBudgetError`` at the
             first batch when one slot per worker cannot hold it (with the size that would), or
-            when one batch is larger than the budget leaves beside the ring. It bounds shared memory,
-            not the workers' own Python and dataset memory.
+            when one batch is larger than the budget leaves beside the ring. It bounds the shared
+            memory of the loader and its workers, not the workers' own Python and dataset memory,
+            nor the copies of held batches (the training process's own).
         max_worker_restarts: how many dead workers (SIGKILL, OOM killer, a crash in C) the
             loader replaces over its lifetime, dispatching their tasks again so every batch
             still arrives exactly once and in order; one more death raises

@@ -73,12 +73,16 @@ def test_a_ring_outlived_by_a_held_batch_keeps_only_that_batchs_slot(persistent:
 def allocated_by_us() -> int:
     """Bytes allocated in every distinct shared file of shmloader's this process maps (its rings
     and overflow memory), read from the files themselves (``/proc/self/map_files``): memory a
-    ring gave back no longer counts, whatever the mapping's extent."""
+    ring gave back no longer counts, whatever the mapping's extent. Copies of held batches
+    (``/memfd:shmloader-copy``) are the training process's own, shared with no worker: outside
+    what memory_budget bounds, as the copies torch's pin-memory thread makes are."""
     files: dict[tuple[int, int], int] = {}
     with open("/proc/self/maps") as maps:
         for line in maps:
             parts = line.split()
             if len(parts) < 6 or "shmloader" not in parts[5] or not parts[5].startswith(("/dev/shm/", "/memfd:")):
+                continue
+            if parts[5].startswith("/memfd:shmloader-copy"):
                 continue
             try:
                 st = os.stat(f"/proc/self/map_files/{parts[0]}")
