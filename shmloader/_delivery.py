@@ -127,7 +127,7 @@ class Delivery:
         else:
             # Never lend a worker's last slot: a caller that keeps every batch (list(loader), a
             # replay buffer) would leave the workers nowhere to write, or one slot to take
-            # turns on. Copy this one out of its slot (a large tensor into pages of its own). A
+            # turns on. Copy this one out of its slot (a large tensor into a memfd of its own). A
             # batch under COPY_HELD_UNDER bytes costs less copied than in memory of its own, so
             # the next ones are copied too while the user holds the ring; larger ones have the
             # next ones written into memory of their own (the overflow path: zero-copy views, as

@@ -283,8 +283,9 @@ def read_batch(ring: Ring, slot: int, convert: LeafConverter | None = None,
 _from_array = torch.from_numpy if TENSORS is None else TENSORS.from_array
 
 
-# A tensor of this many bytes or more is copied out of its slot into pages of its own, mapped
-# populated (the C++ extension); smaller ones come from the allocator's heap (clone)
+# A tensor of this many bytes or more is copied out of its slot into a memory file of its own
+# (the C++ extension: shared memory nobody else maps, as torch's batches are); smaller ones come
+# from the allocator's heap (clone)
 _COPY_OUT_FROM = 1 << 16
 _copy_out = None if TENSORS is None else TENSORS.copy_out
 
