@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+import signal
 import time
 import warnings
 import weakref
@@ -53,6 +54,16 @@ _NOTHING = object()  # nothing ready yet
 _END = object()  # the epoch has ended
 _GROW = object()  # the ring must grow before anything else is dispatched
 _NOT_READY = int(Step.NOT_READY)
+
+def _interrupted() -> bool:
+    """Whether the running task is being cancelled for Ctrl-C: ``asyncio.run`` (and
+    ``uvloop.run``, through ``asyncio.Runner``) answers SIGINT by cancelling the main task, and
+    raises KeyboardInterrupt once it has ended. Seen through the handler it installed (its
+    count of interrupts); any other cancellation (a timeout around ``anext``) is not one."""
+    handler = signal.getsignal(signal.SIGINT)
+    runner = getattr(getattr(handler, "func", None), "__self__", None)
+    return isinstance(runner, asyncio.Runner) and getattr(runner, "_interrupt_count", 0) > 0
+
 
 class RingIterator(_BaseDataLoaderIter):
     """Iterator over a DataLoader with ``num_workers > 0`` (sync and async)."""
@@ -365,7 +376,11 @@ class RingIterator(_BaseDataLoaderIter):
         except StopIteration as stop:
             result = stop.value
         except asyncio.CancelledError:
-            raise  # at a wait: what it waited for is kept (start-up, growth, ready slots); the next anext goes on
+            # At a wait: what it waited for is kept (start-up, growth, ready slots), and the next
+            # anext goes on. But Ctrl-C stops the workers, as it does a sync loop's.
+            if _interrupted():
+                self._failed(KeyboardInterrupt())
+            raise
         except BaseException as exc:
             if (instead := self._failed(exc)) is not None:
                 raise StopAsyncIteration from instead  # as a sync loop ends at a worker's StopIteration
