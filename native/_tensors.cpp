@@ -182,7 +182,7 @@ PyObject *from_array(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
 static int copy_to_memfd(const void *from, size_t nbytes, size_t mapped, void **out) {
     int fd = memfd_create("shmloader-copy", MFD_CLOEXEC);
     if (fd < 0) return -1;
-    int ok = ftruncate(fd, static_cast<off_t>(mapped)) == 0;
+    int ok = 1; /* (pwrite sizes the file: the mapping's last page is its last, partly past the end) */
     for (size_t done = 0; ok && done < nbytes;) {
         ssize_t n = pwrite(fd, static_cast<const char *>(from) + done, nbytes - done, static_cast<off_t>(done));
         if (n > 0) done += static_cast<size_t>(n);

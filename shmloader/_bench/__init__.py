@@ -377,8 +377,8 @@ def main(argv: list[str] | None = None) -> int:
           + (f" rounds={args.rounds} (alternated; vs torch: the median of each round's ratio)" if args.rounds > 1 else ""))
     if args.memory:
         print("# peak of the process tree's private PSS plus the system's shared-memory growth, above the "
-              "baseline before the loader existed, over two epochs (hold: three, every batch kept, a random "
-              "kept one read each step); tree PSS: the tree's PSS with its shared pages (psutil's, smem's)")
+              "baseline before the loader existed, over two epochs, each batch read (hold: three, every batch "
+              "kept, a random kept one read instead); tree PSS: the tree's PSS with its shared pages (psutil's, smem's)")
         print(memory_table(peaks))
     elif args.ceiling:
         print(ceiling_table(results))

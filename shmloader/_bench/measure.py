@@ -229,9 +229,13 @@ class PeakMemory:
 
 
 def read(batch: Any) -> None:
-    """Read every byte of a batch's tensors (a training step over a replayed batch)."""
+    """Touch every page of a batch's tensors, as a training step that reads them does (a byte a
+    page: nothing allocated, whatever the dtype)."""
     if isinstance(batch, torch.Tensor):
-        batch.sum()
+        if batch.is_contiguous() and batch.numel():
+            int(batch.reshape(-1).view(torch.uint8)[::4096].sum())
+        else:
+            batch.sum()
     elif isinstance(batch, dict):
         for v in batch.values():
             read(v)
@@ -308,9 +312,9 @@ def peak_memory(make: Callable[[], Any], epochs: int, hold: bool) -> tuple[float
     """MiB of the peaks, above the baseline just before the loader existed, while ``epochs``
     epochs run: of the process tree's private PSS plus the system's shared-memory growth (what
     the machine gave), and of the tree's PSS with its shared pages (what psutil or smem would
-    say). The loop is a user's: ``batch`` stays bound from one epoch's end into the next's
-    start; with ``hold`` every batch is kept and a random kept one is read each step (a replay
-    buffer). The tree's PSS is read every 10 batches as well as by the sampling thread, so a
+    say). The loop is a user's: it reads each batch, and ``batch`` stays bound from one epoch's
+    end into the next's start; with ``hold`` (a replay buffer) every batch is kept and a random
+    kept one is read instead. The tree's PSS is read every 10 batches as well as by the sampling thread, so a
     short run's workers count."""
     gc.collect()
     tree = _tree(os.getpid())
@@ -322,9 +326,11 @@ def peak_memory(make: Callable[[], Any], epochs: int, hold: bool) -> tuple[float
     replay = random.Random(0)
     for _ in range(epochs):
         for i, batch in enumerate(loader):
-            if hold:
+            if hold:  # a replay buffer: it keeps the batch, and trains on a random kept one
                 kept.append(batch)
                 read(kept[replay.randrange(len(kept))])
+            else:  # a training step reads its batch
+                read(batch)
             memory.sample(pss=i % 10 == 0)
         memory.sample()
     peak = memory.stop()
