@@ -282,7 +282,9 @@ class OverflowBroker:
         else:  # nothing else can arrive: a worker that waits for memory makes no other batch
             tasks = {slot: sched.task_of(slot) for slot in sched.tasks()}
             blocked = {task.worker for slot, task in tasks.items() if task and slot in sched.waiting()}
-            unblocked = any(w not in blocked for w in range(sched.num_workers))
+            # (a worker whose shard ended takes no task: it cannot unblock anything)
+            active = sched.active
+            unblocked = any(active[w] and w not in blocked for w in range(sched.num_workers))
             moving = any(sched.state_of(slot) == SlotState.IN_FLIGHT and task and task.worker not in blocked
                          for slot, task in tasks.items())
             can_dispatch = sched.n_free and not sched.exhausted and self.grow_to is None and unblocked
