@@ -438,8 +438,9 @@ static int nargs_are(const char *name, Py_ssize_t nargs, Py_ssize_t want) {
 }
 
 static PyObject *task_tuple(Scheduler *t, Py_ssize_t slot) {
-    return Py_BuildValue("(nLLOL)", t->worker[slot], (long long)t->epoch[slot], (long long)t->seq[slot],
-                         t->index[slot], (long long)t->needed[slot]);
+    PyObject *index = t->index[slot] != NULL ? t->index[slot] : Py_None; /* (NULL only after tp_clear) */
+    return Py_BuildValue("(nLLOL)", t->worker[slot], (long long)t->epoch[slot], (long long)t->seq[slot], index,
+                         (long long)t->needed[slot]);
 }
 
 PyDoc_STRVAR(dispatch_doc, "dispatch($self, worker, seq, index, /)\n--\n\n"

@@ -65,8 +65,10 @@ PyObject *stack_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         /* Every sample checked before any byte is written: on False the slot is as it was. Each
            is kept (a tensor reference: its storage lives) so the copy runs without the GIL, and
            a thread of the dataset's own is not stalled by it, whatever it does to the list. */
-        std::vector<at::Tensor> kept;
+        std::vector<c10::Storage> kept; /* (a sample's storage: another thread's resize_ or set_ cannot free it) */
+        std::vector<const char *> from;
         kept.reserve(static_cast<size_t>(n));
+        from.reserve(static_cast<size_t>(n));
         for (Py_ssize_t i = 0; i < n; i++) {
             PyObject *item = PySequence_Fast_GET_ITEM(samples, i);
             if (!THPVariable_CheckExact(item)) Py_RETURN_FALSE; /* subclasses: their __torch_function__ */
@@ -74,11 +76,12 @@ PyObject *stack_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
             if (!plain_sample(t, out) || t.nbytes() != each) Py_RETURN_FALSE;
             if (each && overlaps(static_cast<const char *>(t.const_data_ptr()), each, dst, total))
                 Py_RETURN_FALSE; /* torch.stack raises for a sample inside its output */
-            kept.push_back(t);
+            kept.push_back(t.storage());
+            from.push_back(static_cast<const char *>(t.const_data_ptr()));
         }
-        if (each) {
+        if (each) { /* pointers and storages taken with the GIL: nothing below calls into torch or Python */
             Py_BEGIN_ALLOW_THREADS
-            for (size_t i = 0; i < kept.size(); i++) std::memcpy(dst + i * each, kept[i].const_data_ptr(), each);
+            for (size_t i = 0; i < from.size(); i++) std::memcpy(dst + i * each, from[i], each);
             Py_END_ALLOW_THREADS
         }
         out.unsafeGetTensorImpl()->bump_version(); /* an in-place write, as stack(out=) counts it */
@@ -180,7 +183,12 @@ PyObject *from_array(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
    that no other process maps), so a process's PSS counts them once they are read, as it counts
    torch's; the machine counts them at once either way. One system call copies every page. */
 static int copy_to_memfd(const void *from, size_t nbytes, size_t mapped, void **out) {
+#ifdef MFD_NOEXEC_SEAL /* (Linux 6.3: without it the kernel warns, and refuses under vm.memfd_noexec=2) */
+    int fd = memfd_create("shmloader-copy", MFD_CLOEXEC | MFD_NOEXEC_SEAL);
+    if (fd < 0 && errno == EINVAL) fd = memfd_create("shmloader-copy", MFD_CLOEXEC); /* (an older kernel) */
+#else
     int fd = memfd_create("shmloader-copy", MFD_CLOEXEC);
+#endif
     if (fd < 0) return -1;
     int ok = 1; /* (pwrite sizes the file: the mapping's last page is its last, partly past the end) */
     for (size_t done = 0; ok && done < nbytes;) {

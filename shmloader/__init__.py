@@ -4,16 +4,6 @@ The public surface is this module; everything else is private, one stage of a
 batch's journey per file: shmloader/README.md lists them and what each owns.
 """
 
-import sysconfig as _sysconfig
-
-if _sysconfig.get_config_var("Py_GIL_DISABLED"):
-    # A slot goes back to the ring when the lease table holds its base's last reference
-    # (Py_REFCNT(base) == 1, read with the GIL held): without a GIL another thread may take or
-    # drop a reference meanwhile, and a slot could be rewritten under a batch still in use.
-    raise ImportError("shmloader does not support a free-threaded Python build (Py_GIL_DISABLED): it "
-                      "tells a batch is gone from a reference count the GIL keeps exact. Use a standard "
-                      "(GIL) build of Python, or torch.utils.data.DataLoader.")
-
 from torch.utils.data import get_worker_info as get_worker_info
 
 from ._errors import BatchTooLargeError as BatchTooLargeError
@@ -32,6 +22,17 @@ from ._share import SharedList as SharedList
 from ._share import share as share
 from ._stats import LoaderStats as LoaderStats
 from ._stats import RingOccupancy as RingOccupancy
+
+import sys as _sys
+
+if not getattr(_sys, "_is_gil_enabled", lambda: True)():  # (asked once the extensions are imported)
+    # A slot goes back to the ring when the lease table holds its base's last reference
+    # (Py_REFCNT(base) == 1, read with the GIL held): without a GIL another thread may take or
+    # drop a reference meanwhile, and a slot could be rewritten under a batch still in use.
+    raise ImportError("shmloader does not support a free-threaded Python without its GIL (PYTHON_GIL=0 "
+                      "or -X gil=0): it tells a batch is gone from a reference count the GIL keeps exact. "
+                      "Run with the GIL (the default even on a free-threaded build), or use "
+                      "torch.utils.data.DataLoader.")
 
 __all__ = [
     "BatchTooLargeError",

@@ -60,9 +60,12 @@ def _interrupted() -> bool:
     ``uvloop.run``, through ``asyncio.Runner``) answers SIGINT by cancelling the main task, and
     raises KeyboardInterrupt once it has ended. Seen through the handler it installed (its
     count of interrupts); any other cancellation (a timeout around ``anext``) is not one."""
+    runner_type = getattr(asyncio, "Runner", None)  # (3.11: on 3.10 asyncio.run raises KeyboardInterrupt itself)
+    if runner_type is None:
+        return False
     handler = signal.getsignal(signal.SIGINT)
     runner = getattr(getattr(handler, "func", None), "__self__", None)
-    return isinstance(runner, asyncio.Runner) and getattr(runner, "_interrupt_count", 0) > 0
+    return isinstance(runner, runner_type) and getattr(runner, "_interrupt_count", 0) > 0
 
 
 class RingIterator(_BaseDataLoaderIter):

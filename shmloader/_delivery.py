@@ -39,8 +39,10 @@ from ._stats import Counters
 # copied out of its slot in the main process, and so are the next ones while the ring stays held;
 # a larger one has the next ones made in memory of their own (OWN tasks: a memfd each, zero-copy).
 # Measured on 2 vCPUs, 64 x float32[1024] (256 KiB) held, `shmloader bench --workloads hold`:
-# copied (every worker keeping a slot, the copies in pages of their own), 10-11k batches/s at
-# ~140 µs of CPU a batch, main and workers; in memory of their own, 1.4-2.2k at ~560-700 µs (a
+# copied (every worker keeping a slot, the copies then in private pages), 10-11k batches/s at
+# ~140 µs of CPU a batch, main and workers (8.5k since the copies go into memfds of their own,
+# as torch's batches live: bench/RESULTS.md, 2026-12-04; the threshold was set before that);
+# in memory of their own, 1.4-2.2k at ~560-700 µs (a
 # memfd made, zero-filled and handed over, the batch made privately and copied in, a round trip
 # per batch). The copy costs the main process its bytes once (~0.3 µs a KiB with its pages);
 # memory of its own ~200 µs of the main process a batch whatever its size (and as much again in

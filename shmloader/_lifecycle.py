@@ -79,9 +79,10 @@ class Lifecycle:
         self.started = False  # the ring exists and every worker has attached to it once
         self.stopped = False
         self.attaching: dict[int, Any] = {}  # workers sent a new ring, not yet attached: worker -> its process
-        # The first batch's probe, sent and not answered: (worker, seq, index, the process asked).
-        # Kept here so that a start-up whose wait an async for cancelled goes on where it was.
-        self.probing: tuple[int, int, Any, Any] | None = None
+        # The first batch's probe, sent and not answered: (worker, seq, index, the process asked,
+        # epoch). Kept here so that a start-up whose wait was cancelled (async for) or timed out
+        # goes on where it was; a probe of an epoch left meanwhile is answered and dropped.
+        self.probing: tuple[int, int, Any, Any, int] | None = None
         self.busy: tuple[float, ...] | None = None  # each worker's busy share when they stopped
 
     # -------------------------------------------------------------- start
@@ -112,9 +113,11 @@ class Lifecycle:
         sched = self.sched
         first = batch_bytes
         probe: tuple[int, int, Any] | None = None
+        if self.probing is not None and self.probing[4] != sched.epoch:
+            yield from self._drop_probe(check)
         while slot_bytes is None and first is None:
             if self.probing is not None:  # asked before this start was cancelled: its answer is awaited
-                wid, seq, index, _ = self.probing
+                wid, seq, index, _, _ = self.probing
             else:
                 task = sched.next_task(sampler)
                 if task is None:
@@ -169,7 +172,7 @@ class Lifecycle:
             proc = pool.procs[wid]
             if self.probing is None or self.probing[3] is not proc:  # (a replacement is asked anew)
                 pool.send(wid, ("probe", self.sched.epoch, seq, as_list(index)), dead_ok=True)
-                self.probing = (wid, seq, index, proc)
+                self.probing = (wid, seq, index, proc, self.sched.epoch)
             while pool.procs[wid] is proc and not pool.conns[wid].poll():
                 check()
                 if pool.procs[wid] is proc:
@@ -180,6 +183,21 @@ class Lifecycle:
                     self.probing = None
                     return tuple(reply)
                 check()  # it died as it answered: replaced here, then asked again
+
+    def _drop_probe(self, check: Callable[[], None]) -> Steps:
+        """The probe of an epoch left before it answered (persistent workers: a timeout or a
+        cancel cut the start short, then a new epoch began): its answer is read and dropped, so
+        the connection carries the new probe's next. The worker keeps only its latest probe's
+        batch; a replacement of it was never asked."""
+        assert self.probing is not None
+        wid, proc, pool = self.probing[0], self.probing[3], self.pool
+        while pool.procs[wid] is proc and not pool.conns[wid].poll():
+            check()
+            if pool.procs[wid] is proc:
+                yield ("conns", [wid])
+        if pool.procs[wid] is proc:
+            pool.recv(wid)  # (None: it died as it answered)
+        self.probing = None
 
     def await_attached(self, check: Callable[[], None]) -> Steps:
         """Wait until every worker sent a new ring (``attaching``: worker -> its process then)

@@ -100,8 +100,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         memory_budget: bytes (or a string such as ``"512MiB"``, ``"2GiB"``) of shared memory
             the loader may use: the ring plus the overflow memory of batches that do not fit a
             slot. The ring is sized to fit with room beside it for one overflow batch (fewer
-            slots first, down to one per worker; below that only beside memory held from
-            before, such as the batch a loop holds into the next epoch); a worker whose
+            slots first, down to one per worker; below that only beside memory the loader
+            already holds: a batch a loop holds into the next epoch, another live iterator's
+            ring, overflow memory); a worker whose
             oversized batch finds no room waits until held batches are dropped; when only the
             batches the caller holds could make room for the batch it waits for, that batch
             comes as a pickled copy. A batch that fits a slot never fails: held ones are copied

@@ -158,3 +158,46 @@ def test_a_cancelled_anext_loses_nothing_at_any_wait_of_start_up_or_steady_state
     got, cancelled = run(cancelled_run(shmloader.DataLoader(**cancel_job(), num_workers=2), lambda n: n % 2 == 1))
     same(got, want)  # every other wait cancelled
     assert cancelled
+
+
+@pytest.mark.parametrize("cut", ["timeout", "cancel"])
+def test_a_start_cut_short_then_a_new_epoch_of_persistent_workers_is_whole(
+        run: Callable[[Coroutine[Any, Any, Any]], Any], cut: str) -> None:
+    # The first epoch's probe is still being made when a timeout (or a cancel) cuts its start
+    # short; the user begins the next epoch. Its answer, for the epoch left, must not pass for
+    # the new epoch's first batch.
+    gate = multiprocessing.get_context("fork").Event()
+    loader = shmloader.DataLoader(Gated(8, gate), batch_size=2, num_workers=2, persistent_workers=True,
+                                  timeout=0.3 if cut == "timeout" else 0)
+
+    async def cut_then_epochs() -> list[list[Any]]:
+        it = aiter(loader)
+        if cut == "timeout":
+            with pytest.raises(RuntimeError, match="timed out after 0.3 seconds"):
+                await anext(it)
+        else:
+            waited = asyncio.ensure_future(anext(it))
+            await asyncio.sleep(0)  # it runs to its first wait: the probe sent, its answer awaited
+            waited.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waited
+        gate.set()
+        return [[b async for b in loader] for _ in range(2)]
+
+    epochs = run(cut_then_epochs())
+    want = list(torch.utils.data.DataLoader(Gated(8, gate), batch_size=2))
+    for got in epochs:
+        same(got, want)
+    loader._iterator._shutdown_workers()
+
+
+def test_a_sync_start_timed_out_then_a_new_epoch_of_persistent_workers_is_whole() -> None:
+    gate = multiprocessing.get_context("fork").Event()
+    loader = shmloader.DataLoader(Gated(8, gate), batch_size=2, num_workers=2, persistent_workers=True, timeout=0.3)
+    with pytest.raises(RuntimeError, match="timed out after 0.3 seconds"):
+        next(iter(loader))
+    gate.set()
+    want = list(torch.utils.data.DataLoader(Gated(8, gate), batch_size=2))
+    for _ in range(2):
+        same(list(loader), want)
+    loader._iterator._shutdown_workers()
