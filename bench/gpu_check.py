@@ -22,9 +22,8 @@ import numpy as np
 import torch
 
 import shmloader
-from shmloader import _device, _shm
-
-
+from shmloader.main import device as _device
+from shmloader.wire import shm as _shm
 def h2d_gbps(src: torch.Tensor, repeats: int = 20) -> float:
     dst = torch.empty(src.shape, dtype=src.dtype, device="cuda")
     dst.copy_(src, non_blocking=True)

@@ -4,24 +4,16 @@ The public surface is this module; everything else is private, one stage of a
 batch's journey per file: shmloader/README.md lists them and what each owns.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from torch.utils.data import get_worker_info as get_worker_info
 
-from ._errors import BatchTooLargeError as BatchTooLargeError
-from ._errors import CorruptSlotError as CorruptSlotError
-from ._errors import MemoryBudgetError as MemoryBudgetError
-from ._errors import SharedMemoryFullError as SharedMemoryFullError
-from ._errors import ShmLoaderError as ShmLoaderError
-from ._errors import WorkerDiedError as WorkerDiedError
-from ._install import install as install
-from ._install import installed as installed
-from ._install import stats as stats
-from ._install import uninstall as uninstall
-from ._loader import DataLoader as DataLoader
-from ._share import SharedDict as SharedDict
-from ._share import SharedList as SharedList
-from ._share import share as share
-from ._stats import LoaderStats as LoaderStats
-from ._stats import RingOccupancy as RingOccupancy
+from shmloader._errors import BatchTooLargeError as BatchTooLargeError
+from shmloader._errors import CorruptSlotError as CorruptSlotError
+from shmloader._errors import MemoryBudgetError as MemoryBudgetError
+from shmloader._errors import SharedMemoryFullError as SharedMemoryFullError
+from shmloader._errors import ShmLoaderError as ShmLoaderError
+from shmloader._errors import WorkerDiedError as WorkerDiedError
 
 import sys as _sys
 
@@ -33,6 +25,38 @@ if not getattr(_sys, "_is_gil_enabled", lambda: True)():  # (asked once the exte
                       "or -X gil=0): it tells a batch is gone from a reference count the GIL keeps exact. "
                       "Run with the GIL (the default even on a free-threaded build), or use "
                       "torch.utils.data.DataLoader.")
+
+if TYPE_CHECKING:
+    from shmloader._install import install as install
+    from shmloader._install import installed as installed
+    from shmloader._install import stats as stats
+    from shmloader._install import uninstall as uninstall
+    from shmloader._loader import DataLoader as DataLoader
+    from shmloader._share import SharedDict as SharedDict
+    from shmloader._share import SharedList as SharedList
+    from shmloader._share import share as share
+    from shmloader._stats import LoaderStats as LoaderStats
+    from shmloader._stats import RingOccupancy as RingOccupancy
+
+# The training process's names are imported on first use: a worker process (spawn, forkserver)
+# imports shmloader.worker and this module, and none of shmloader.main
+# (tests/unit/test_package_layout.py). The loader's module comes with _install, which watches
+# the loaders it makes (a framework's torch rebuild of one keeps its options).
+_LAZY = {"install": "_install", "installed": "_install", "stats": "_install", "uninstall": "_install",
+         "DataLoader": "_install", "SharedDict": "_share", "SharedList": "_share", "share": "_share",
+         "LoaderStats": "_stats", "RingOccupancy": "_stats"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shmloader' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"shmloader.{module}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "BatchTooLargeError",

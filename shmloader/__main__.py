@@ -10,7 +10,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] != "bench":
         print("usage: shmloader bench [options]   (shmloader bench --help for the options)", file=sys.stderr)
         return 2
-    from ._bench import main as bench
+    from shmloader._bench import main as bench
 
     return bench(argv[1:])
 

@@ -23,7 +23,7 @@ def load() -> ModuleType | None:
     if os.environ.get("SHMLOADER_NO_TENSORS"):
         return None
     try:
-        from . import _tensors
+        from shmloader import _tensors
     except ImportError as error:
         why = f"it did not load ({error}); it is built when torch is installed first and shmloader " \
               "after it without build isolation: pip install --no-build-isolation shmloader"

@@ -7,9 +7,7 @@ from typing import NoReturn
 
 from torch._utils import ExceptionWrapper
 
-from . import _native
-
-
+from shmloader import _native
 class ShmLoaderError(RuntimeError):
     """Base class of shmloader's own errors."""
 

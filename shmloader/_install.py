@@ -25,10 +25,10 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.utils.data
 
-from . import _checkpoint
-from ._consume import RingIterator
-from ._loader import DataLoader, attach_options, check_options, stats_of
-from ._stats import LoaderStats
+from shmloader import _checkpoint
+from shmloader.main.iterator import RingIterator
+from shmloader._loader import DataLoader, attach_options, check_options, created, stats_of
+from shmloader._stats import LoaderStats
 
 _TORCH_GET_ITERATOR: Callable[[Any], Any] = torch.utils.data.DataLoader._get_iterator
 _options: dict[str, Any] | None = None
@@ -144,6 +144,9 @@ def remember(loader: Any) -> None:
                    memory_budget=loader.memory_budget, max_worker_restarts=loader.max_worker_restarts)
     _origins[key] = [ref, options, False]
     _watch()
+
+
+created.append(remember)
 
 
 def _watch() -> None:

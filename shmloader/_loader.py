@@ -9,16 +9,18 @@ torch's own. Only the multi-process iterator is replaced (``_get_iterator``), an
 from __future__ import annotations
 
 import weakref
-from typing import Any, AsyncIterator, TypeVar
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 import torch
 import torch.utils.data
 
-from . import _checkpoint, _device
-from ._budget import parse_size
-from ._consume import RingIterator
-from ._overflow import LoaderMemory
-from ._stats import Counters, LoaderStats
+from shmloader import _checkpoint
+
+from shmloader.main import device as _device
+from shmloader.main.budget import parse_size
+from shmloader.main.iterator import RingIterator
+from shmloader.main.overflow import LoaderMemory
+from shmloader._stats import Counters, LoaderStats
 
 
 def check_options(*, slot_bytes: int | None, device_prefetch: int, max_worker_restarts: int) -> None:
@@ -73,6 +75,10 @@ def stats_of(loader: Any, it: Any) -> LoaderStats:
 
 
 T_co = TypeVar("T_co", covariant=True)
+# Called with every shmloader.DataLoader made: _install's remember (a framework's torch rebuild
+# of the loader keeps its options under install()). Filled in by _install, which imports this
+# module and not the other way round.
+created: list[Callable[[Any], None]] = []
 
 
 class DataLoader(torch.utils.data.DataLoader[T_co]):
@@ -178,9 +184,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         attach_options(self, slot_bytes=slot_bytes, device=device, device_prefetch=device_prefetch,
                        memory_budget=memory_budget, max_worker_restarts=max_worker_restarts)
         self._shm_iterators: weakref.WeakSet[RingIterator] = weakref.WeakSet()
-        from . import _install
-
-        _install.remember(self)
+        for watch in created:
+            watch(self)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle and deepcopy as torch's loader does: every setting; a live iterator refuses

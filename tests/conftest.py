@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from shmloader._shm import SEGMENT_PREFIX, SHM_DIR
+from shmloader.wire.shm import SEGMENT_PREFIX, SHM_DIR
 from tests.fakes import FakeStream, install_fake_cuda
 
 

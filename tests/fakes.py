@@ -40,8 +40,7 @@ class FakeStream:
 def install_fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeStream:
     """Fakes for torch.cuda's streams and events, and host registration that declines (so
     ``device=`` runs on the CPU); returns the consumer's stream."""
-    from shmloader import _device
-
+    from shmloader.main import device as _device
     monkeypatch.setattr(_device, "register_host", lambda mm, nbytes, cudart=None: False)
     consumer = FakeStream()
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)

@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> tuple[list[Result], list[str]]:
                 notes.append(f"{w.name} / {ld.name}: failed: {type(exc).__name__}: {exc}")
             else:
                 if budget is not None:
-                    from .._budget import parse_size
+                    from shmloader.main.budget import parse_size
 
                     res.within_budget = res.loader_mb * 2**20 <= parse_size(budget)
                 runs[ld.name][r] = res

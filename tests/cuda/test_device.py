@@ -12,7 +12,7 @@ import torch
 import uvloop
 
 import shmloader
-from shmloader import _device
+from shmloader.main import device as _device
 from tests.datasets import Blocks, Range, Rich, check_blocks
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch.utils.data as tud
 
 import shmloader
-from shmloader._layout import RingGeometry
+from shmloader.wire.layout import RingGeometry
 from tests.conftest import same
 from tests.datasets import Sized
 from tests.integration.test_memory import Budgeted

@@ -172,7 +172,7 @@ def test_interpreter_exit_mid_epoch(tmp_path: pathlib.Path) -> None:
 def test_small_dev_shm_is_a_clear_error_not_a_sigbus(tmp_path: pathlib.Path, bypass_check: bool) -> None:
     body = """
         if sys.argv[1] == "bypass":  # let the ring reach posix_fallocate on the full tmpfs
-            shmloader._shm.check_free = lambda needed, path="/dev/shm": None
+            shmloader.wire.shm.check_free = lambda needed, path="/dev/shm": None
         loader = shmloader.DataLoader(Sized([300_000] * 8), batch_size=4, num_workers=2)
         try:
             list(loader)
@@ -195,8 +195,7 @@ def test_small_dev_shm_is_a_clear_error_not_a_sigbus(tmp_path: pathlib.Path, byp
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another uid needs root")
 def test_another_user_cannot_open_the_ring() -> None:
-    from shmloader import _shm
-
+    from shmloader.wire import shm as _shm
     name, mm = _shm.create_segment(4096)
     try:
         assert os.stat(f"/dev/shm{name}").st_mode & 0o777 == 0o600
@@ -222,8 +221,7 @@ def test_another_user_cannot_open_the_ring() -> None:
 
 
 def test_names_are_unpredictable_and_carry_the_pid() -> None:
-    from shmloader import _shm
-
+    from shmloader.wire import shm as _shm
     names = {_shm.new_name(_shm.SEGMENT_PREFIX) for _ in range(100)}
     assert len(names) == 100
     assert all(n.startswith(f"/shmloader-{os.getpid()}-") and len(n.rsplit("-", 1)[1]) == 16 for n in names)
@@ -255,7 +253,7 @@ def test_iterable_dataset_errors_keep_type_and_traceback() -> None:
 def test_a_slot_published_for_another_task_is_a_corrupt_slot_error(monkeypatch: pytest.MonkeyPatch) -> None:
     # The worker echoes each task's epoch and seq with its result; a slot whose echo does not
     # match the task the consumer gave it (a torn or foreign write) is refused, never delivered.
-    from shmloader._ring import AttachedRing
+    from shmloader.wire.ring import AttachedRing
 
     publish = AttachedRing.publish
 

@@ -14,7 +14,7 @@ import torch.utils.data as tud
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 import shmloader
-from shmloader._consume import RingIterator
+from shmloader.main.iterator import RingIterator
 from tests.conftest import same
 from tests.datasets import Augmented, Range, Tokens, pad_collate
 from tests.integration.test_errors import job, outcomes

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import shmloader
-from shmloader._consume import RingIterator
-from shmloader._slots import SlotState
+from shmloader.main.iterator import RingIterator
+from shmloader.main.scheduler import SlotState
 from tests.conftest import examples, same
 from tests.datasets import Sized
 

@@ -15,10 +15,15 @@ import pytest
 import torch
 
 import shmloader
-from shmloader import _consume, _delivery, _native, _ring, _shm, _wait
-from shmloader._layout import DONE
-from shmloader._lease import slot_of
-from shmloader._slots import SlotState
+from shmloader import _native
+from shmloader.main import iterator as _consume
+from shmloader.main import delivery as _delivery
+from shmloader.wire import ring as _ring
+from shmloader.wire import shm as _shm
+from shmloader.main import wait as _wait
+from shmloader.wire.layout import DONE
+from shmloader.main.lease import slot_of
+from shmloader.main.scheduler import SlotState
 from tests.conftest import same
 from tests.datasets import Blocks, Failing, Gated, IndexPid, Pid, Range, Rich, Shards, Sized, Tokens, check_blocks, pad_collate
 
@@ -417,7 +422,7 @@ def test_idle_workers_keep_running_under_every_start_method(
 ) -> None:
     # Workers check for a dead loader whenever they are idle; check every millisecond so
     # that they surely do, and under forkserver (whose workers are not our children) too.
-    monkeypatch.setattr(shmloader._consume, "PARENT_CHECK_S", 0.001)
+    monkeypatch.setattr(shmloader.main.iterator, "PARENT_CHECK_S", 0.001)
     loader = shmloader.DataLoader(Range(60), batch_size=2, num_workers=2, multiprocessing_context=context)
     same(list(loader), list(torch.utils.data.DataLoader(Range(60), batch_size=2)))
 
@@ -425,7 +430,7 @@ def test_idle_workers_keep_running_under_every_start_method(
 def test_parent_watch() -> None:
     import multiprocessing
 
-    from shmloader._worker import ParentWatch
+    from shmloader.worker.loop import ParentWatch
 
     assert ParentWatch(os.getpid()).alive()
     child = multiprocessing.get_context("fork").Process(target=os.getpid)

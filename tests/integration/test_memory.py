@@ -15,7 +15,7 @@ import torch
 import torch.utils.data as tud
 
 import shmloader
-from shmloader import _delivery
+from shmloader.main import delivery as _delivery
 from tests.conftest import same
 from tests.datasets import Blocks, Sized, check_blocks
 from tests.integration.test_overflow import mapped_by_us

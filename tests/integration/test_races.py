@@ -19,9 +19,14 @@ import torch.utils.data as tud
 from torch.utils.data import Dataset
 
 import shmloader
-from shmloader import _consume, _lifecycle, _native, _pool, _ring, _wait
+from shmloader import _native
+from shmloader.main import iterator as _consume
+from shmloader.main import lifecycle as _lifecycle
+from shmloader.main import pool as _pool
+from shmloader.wire import ring as _ring
+from shmloader.main import wait as _wait
 from shmloader._errors import ShmLoaderError
-from shmloader._layout import DONE, Field
+from shmloader.wire.layout import DONE, Field
 from tests.conftest import same
 from tests.datasets import Sized
 from tests.fakes import FakeStream, fake_device

@@ -23,7 +23,7 @@ def rng() -> random.Random:
     return random.Random(seed)
 
 
-def kill_one(it: shmloader._consume.RingIterator, rng: random.Random,
+def kill_one(it: shmloader.main.iterator.RingIterator, rng: random.Random,
              signals: tuple[signal.Signals, ...] = (signal.SIGKILL, signal.SIGTERM)) -> bool:
     """Kill a live worker; False when none is alive: the loader replaces dead workers when it
     must wait, so batches already made can still come after every worker was killed.
@@ -74,7 +74,7 @@ def test_random_kills_sync(rng: random.Random) -> None:
 def test_random_kills_async(rng: random.Random) -> None:
     loader = shmloader.DataLoader(Blocks(800), batch_size=8, num_workers=2, max_worker_restarts=100)
 
-    def after(n: int, it: shmloader._consume.RingIterator) -> None:
+    def after(n: int, it: shmloader.main.iterator.RingIterator) -> None:
         if n % 10 == 5:
             kill_one(it, rng)
 
@@ -91,7 +91,7 @@ def test_kills_are_recovered_under_spawn_and_forkserver(rng: random.Random, cont
                                   multiprocessing_context=context)
     kill_at = sorted(rng.sample(range(3, 55), 3))
 
-    def after(n: int, it: shmloader._consume.RingIterator) -> None:
+    def after(n: int, it: shmloader.main.iterator.RingIterator) -> None:
         if n in kill_at:
             kill_one(it, rng, (signal.SIGKILL, signal.SIGSEGV))
 

@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 
 import shmloader
 from shmloader import _native
-from shmloader._layout import Field, LONE_LEAF, RingGeometry
-from shmloader._collate import SlotWriter
-from shmloader._lease import read_batch
-from shmloader._ring import _Views
+from shmloader.wire.layout import Field, LONE_LEAF, RingGeometry
+from shmloader.worker.collate import SlotWriter
+from shmloader.main.lease import read_batch
+from shmloader.wire.ring import _Views
 from torch.utils.data import Dataset
 
 pytestmark = [pytest.mark.soak, pytest.mark.timeout(1800)]

@@ -7,8 +7,8 @@ import mmap
 import pytest
 
 import shmloader
-from shmloader._budget import parse_size, plan_ring
-from shmloader._layout import RingGeometry, slot_data_bytes
+from shmloader.main.budget import parse_size, plan_ring
+from shmloader.wire.layout import RingGeometry, slot_data_bytes
 
 
 @pytest.mark.parametrize(

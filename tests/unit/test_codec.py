@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shmloader import _native
-from shmloader._layout import DTYPES, LEAF_ALIGN, Kind, table_bytes
+from shmloader.wire.layout import DTYPES, LEAF_ALIGN, Kind, table_bytes
 from tests.conftest import examples
 
 ENTRY = struct.Struct("=BBBBIQQ")

@@ -8,8 +8,8 @@ import mmap
 
 import pytest
 
-from shmloader import _device
-from shmloader._shm import Mapping
+from shmloader.main import device as _device
+from shmloader.wire.shm import Mapping
 
 
 def mapped(ptr: int) -> bool:
@@ -81,5 +81,5 @@ def test_a_failed_unregistration_is_said() -> None:
 
 
 def test_only_a_mapping_that_unregisters_first_can_be_registered() -> None:
-    with pytest.raises(TypeError, match="needs a shmloader._shm.Mapping"):
+    with pytest.raises(TypeError, match="needs a shmloader.wire.shm.Mapping"):
         _device.register_host(mmap.mmap(-1, 8192), 8192, cudart=FakeCudart(register_result=0))

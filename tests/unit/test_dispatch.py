@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch.utils.data as tud
 
-from shmloader._dispatch import as_list, batches_of
+from shmloader.main.dispatch import as_list, batches_of
 
 
 @pytest.mark.parametrize("drop_last", [False, True])

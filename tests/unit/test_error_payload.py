@@ -10,10 +10,10 @@ import pickle
 import pytest
 from torch._utils import ExceptionWrapper
 
-from shmloader._layout import RingGeometry
-from shmloader._ring import _Views
+from shmloader.wire.layout import RingGeometry
+from shmloader.wire.ring import _Views
 from shmloader._errors import fit_error
-from shmloader._worker import _write_error
+from shmloader.worker.loop import _write_error
 
 
 def wrapper(message: str, exc: type[Exception] = ValueError) -> ExceptionWrapper:

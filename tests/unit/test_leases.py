@@ -11,8 +11,8 @@ import threading
 import numpy as np
 import pytest
 
-from shmloader._lease import Leases
-from shmloader._slots import Scheduler, SlotState
+from shmloader.main.lease import Leases
+from shmloader.main.scheduler import Scheduler, SlotState
 
 
 def base() -> np.ndarray:
@@ -146,7 +146,7 @@ def test_a_view_of_a_view_keeps_the_slot_lent() -> None:
 def test_most_lent_leaves_every_worker_a_slot_and_a_one_batch_loop_its_next(slots: int, workers: int, most: int) -> None:
     import types
 
-    from shmloader._delivery import Delivery
+    from shmloader.main.delivery import Delivery
 
     delivery = Delivery.__new__(Delivery)
     delivery.sched = types.SimpleNamespace(num_slots=slots, num_workers=workers)  # type: ignore[assignment]

@@ -15,11 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from shmloader import CorruptSlotError, _lease, _native, _tensors
-from shmloader._collate import SlotWriter
-from shmloader._layout import Field, Region, RingGeometry
-from shmloader._lease import lone_args, read_batch
-from shmloader._ring import _Views
+from shmloader import CorruptSlotError, _native, _tensors
+
+from shmloader.main import lease as _lease
+from shmloader.worker.collate import SlotWriter
+from shmloader.wire.layout import Field, Region, RingGeometry
+from shmloader.main.lease import lone_args, read_batch
+from shmloader.wire.ring import _Views
 
 GEOMETRY = RingGeometry(num_workers=1, num_slots=3, data_bytes=1 << 19)
 MOST_LENT = 2  # Delivery.most_lent() of this ring: one slot left to its one worker

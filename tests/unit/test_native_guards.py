@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from shmloader import CorruptSlotError, _native
-from shmloader._layout import Field
+from shmloader.wire.layout import Field
 from tests.unit.test_header_validation import written
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from shmloader._errors import ShmLoaderError, WorkerDiedError
-from shmloader._pool import WorkerPool
+from shmloader.main.pool import WorkerPool
 
 
 class ExitsAfterItsTimedJoin:
@@ -104,7 +104,7 @@ class Hangs(Conn):
 
 
 def test_a_read_from_a_broken_connection_is_a_death_only_if_the_worker_died(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("shmloader._pool.DEATH_GRACE_S", 0.0)
+    monkeypatch.setattr("shmloader.main.pool.DEATH_GRACE_S", 0.0)
     for raw in (False, True):
         pool = pool_of(Exited())
         pool.conns = [Hangs()]

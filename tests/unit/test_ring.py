@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from shmloader._layout import Field, RingGeometry
-from shmloader._ring import AttachedRing, Ring
+from shmloader.wire.layout import Field, RingGeometry
+from shmloader.wire.ring import AttachedRing, Ring
 
 
 def test_the_segment_has_no_name_and_attaches_through_its_fd() -> None:
@@ -74,8 +74,8 @@ def test_a_task_reads_back_as_the_index_it_was_posted_with() -> None:
 
 def test_a_worker_yields_for_a_task_before_it_sleeps_and_yields_less_after_each_miss(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from shmloader import _native, _ring
-
+    from shmloader import _native
+    from shmloader.wire import ring as _ring
     ring = Ring(RingGeometry(num_workers=2, num_slots=3, data_bytes=4096))
     try:
         worker = AttachedRing(ring.geometry, ring.mm, 1)

@@ -10,7 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from shmloader._slots import Scheduler, SlotState
+from shmloader.main.scheduler import Scheduler, SlotState
 from tests.slot_model import ModelTable, same
 from tests.conftest import examples
 

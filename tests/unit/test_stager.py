@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from shmloader import _device
-from shmloader._collate import SlotWriter
-from shmloader._layout import Field, RingGeometry
-from shmloader._ring import _Views
+from shmloader.main import device as _device
+from shmloader.worker.collate import SlotWriter
+from shmloader.wire.layout import Field, RingGeometry
+from shmloader.wire.ring import _Views
 from tests.fakes import FakeEvent, FakeStream
 
 

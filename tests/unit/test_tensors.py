@@ -21,9 +21,13 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from shmloader import _accel, _collate, _lease, _tensors
-from shmloader._collate import SlotWriter, slot_collate_map
-from shmloader._layout import CODE_OF_DTYPE, Kind
+from shmloader import _accel, _tensors
+
+from shmloader.worker import collate as _collate
+
+from shmloader.main import lease as _lease
+from shmloader.worker.collate import SlotWriter, slot_collate_map
+from shmloader.wire.layout import CODE_OF_DTYPE, Kind
 from tests.unit.test_device import mapped
 from tests.conftest import same
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import re
 
-from ._errors import MemoryBudgetError
-from ._layout import PAGE, RingGeometry, round_up, slot_data_bytes
+from shmloader._errors import MemoryBudgetError
+from shmloader.wire.layout import PAGE, RingGeometry, round_up, slot_data_bytes
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

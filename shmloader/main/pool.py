@@ -13,11 +13,11 @@ import time
 from multiprocessing import reduction
 from typing import Any
 
-from ._errors import ShmLoaderError, WorkerDiedError
-from ._layout import STOP_TASK
-from ._ring import Ring
-from ._produce import WorkerConfig
-from ._worker import InheritedFd, worker_main, worker_replacement
+from shmloader._errors import ShmLoaderError, WorkerDiedError
+from shmloader.wire.layout import STOP_TASK
+from shmloader.wire.ring import Ring
+from shmloader.worker.produce import WorkerConfig
+from shmloader.worker.loop import InheritedFd, worker_main, worker_replacement
 
 JOIN_GRACE_S = 0.5  # a worker stuck in user code is terminated after this
 DEATH_GRACE_S = 5.0  # a worker whose connection broke has this long to exit before it is an error

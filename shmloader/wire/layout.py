@@ -30,8 +30,7 @@ from typing import Any, Final, Iterable
 import numpy as np
 import torch
 
-from . import _native
-
+from shmloader import _native
 PAGE: Final = mmap.PAGESIZE
 SEM_STRIDE: Final = _native.SEM_STRIDE  # bytes a process-shared semaphore takes (native/_sync.c)
 HEADER_BYTES: Final = PAGE

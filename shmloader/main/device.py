@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._layout import Kind
-from ._lease import Where, read_batch
-from ._ring import Ring
-from ._shm import Mapping
+from shmloader.wire.layout import Kind
+from shmloader.main.lease import Where, read_batch
+from shmloader.wire.ring import Ring
+from shmloader.wire.shm import Mapping
 
 _REGISTERED: set[int] = set()  # addresses registered by this process and not yet unregistered
 
@@ -63,7 +63,7 @@ def register_host(mm: Mapping, nbytes: int, cudart: Any = None) -> bool:
     """Page-lock ``mm`` in place until it is unmapped. Returns True on success; warns and
     returns False if not."""
     if not isinstance(mm, Mapping):
-        raise TypeError(f"register_host needs a shmloader._shm.Mapping (unregistered before unmapping), not {type(mm).__name__}")
+        raise TypeError(f"register_host needs a shmloader.wire.shm.Mapping (unregistered before unmapping), not {type(mm).__name__}")
     if cudart is None:
         import torch.cuda
 

@@ -27,9 +27,9 @@ import numpy as np
 import torch
 from torch.utils.data._utils import collate as torch_collate
 
-from . import _native
-from ._accel import TENSORS
-from ._layout import (CODE_OF_DTYPE, CODE_OF_NP_DTYPE, LEAF_ALIGN, LONE_LEAF, STORAGE, TORCH_ONLY_CODES,
+from shmloader import _native
+from shmloader._accel import TENSORS
+from shmloader.wire.layout import (CODE_OF_DTYPE, CODE_OF_NP_DTYPE, LEAF_ALIGN, LONE_LEAF, STORAGE, TORCH_ONLY_CODES,
                       TYPED_STORAGE, VIEW, Kind, round_up, table_bytes, view_leaf)
 
 Leaf = tuple[int, int, int, tuple[int, ...]]  # (dtype code, kind, offset, shape)

@@ -19,18 +19,18 @@ from typing import Any, Callable, Generator
 
 import torch
 
-from . import _device
-from ._budget import plan_ring
-from ._delivery import Delivery
-from ._dispatch import as_list, post
-from ._errors import ShmLoaderError, WorkerDiedError, raise_worker_error
-from ._layout import RESIZE_TASK, RingGeometry, Status
-from ._overflow import OverflowBroker, RingShare
-from ._pool import WorkerPool
-from ._ring import Doorbell, Ring
-from ._slots import Scheduler
-from ._stats import Counters, worker_busy
-from ._produce import WorkerConfig
+from shmloader.main import device as _device
+from shmloader.main.budget import plan_ring
+from shmloader.main.delivery import Delivery
+from shmloader.main.dispatch import as_list, post
+from shmloader._errors import ShmLoaderError, WorkerDiedError, raise_worker_error
+from shmloader.wire.layout import RESIZE_TASK, RingGeometry, Status
+from shmloader.main.overflow import OverflowBroker, RingShare
+from shmloader.main.pool import WorkerPool
+from shmloader.wire.ring import Doorbell, Ring
+from shmloader.main.scheduler import Scheduler
+from shmloader._stats import Counters, worker_busy
+from shmloader.worker.produce import WorkerConfig
 
 Steps = Generator[tuple[Any, ...], None, Any]
 live: weakref.WeakSet[Any] = weakref.WeakSet()  # iterators whose workers may run (RingIterator adds itself)

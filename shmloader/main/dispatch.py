@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 from torch.utils.data import BatchSampler, SequentialSampler
 
-from ._layout import IDLE, Field
-from ._ring import NOT_INTS, POSTED, Ring
+from shmloader.wire.layout import IDLE, Field
+from shmloader.wire.ring import NOT_INTS, POSTED, Ring
 
 
 def batches_of(index_sampler: Any) -> Any:

@@ -38,13 +38,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import _device
-from ._errors import MemoryBudgetError, SharedMemoryFullError
-from ._layout import IDLE, PAGE, grown_slot_bytes, round_up
-from ._lease import Where
-from ._ring import Ring
-from ._shm import Mapping
-from ._slots import Scheduler, SlotState
+from shmloader.main import device as _device
+from shmloader._errors import MemoryBudgetError, SharedMemoryFullError
+from shmloader.wire.layout import IDLE, PAGE, grown_slot_bytes, round_up
+from shmloader.main.lease import Where
+from shmloader.wire.ring import Ring
+from shmloader.wire.shm import Mapping
+from shmloader.main.scheduler import Scheduler, SlotState
 
 
 class LoaderMemory:

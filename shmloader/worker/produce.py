@@ -25,8 +25,8 @@ from torch.utils.data._utils import collate as torch_collate
 from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data.dataloader import _DatasetKind
 
-from ._collate import SlotWriter
-from ._layout import Status
+from shmloader.worker.collate import SlotWriter
+from shmloader.wire.layout import Status
 
 
 @dataclasses.dataclass(frozen=True)

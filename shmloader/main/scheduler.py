@@ -20,8 +20,8 @@ from __future__ import annotations
 import enum
 from typing import Any, NamedTuple
 
-from . import _native
-from ._layout import _agree
+from shmloader import _native
+from shmloader.wire.layout import _agree
 
 
 class SlotState(enum.IntEnum):

@@ -33,11 +33,11 @@ from typing import Any
 import numpy as np
 from torch._utils import ExceptionWrapper
 
-from ._collate import SlotWriter, slot_collate_map
-from ._errors import fit_error, picklable
-from ._layout import RESIZE_TASK, Counter, Region, RingGeometry, Status, round_up
-from ._produce import Outcome, Producer, WorkerConfig, init, wrap
-from ._ring import AttachedRing
+from shmloader.worker.collate import SlotWriter, slot_collate_map
+from shmloader._errors import fit_error, picklable
+from shmloader.wire.layout import RESIZE_TASK, Counter, Region, RingGeometry, Status, round_up
+from shmloader.worker.produce import Outcome, Producer, WorkerConfig, init, wrap
+from shmloader.wire.ring import AttachedRing
 
 _ONE = struct.pack("=Q", 1)
 _OK, _NEED_MEMORY = Status.OK, Status.NEED_MEMORY  # (a global costs less than an enum member lookup, per batch)

@@ -34,19 +34,19 @@ import torch
 import torch.autograd.profiler as _profiler
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
-from . import _checkpoint
-from ._delivery import Delivery
-from ._dispatch import batches_of
-from ._errors import CorruptSlotError, StopCarrier, raise_worker_error
-from ._layout import Field, Status
-from ._lease import leaves_of, read_pickled, slot_of
-from ._lifecycle import Lifecycle, live
-from ._overflow import OverflowBroker
-from ._produce import worker_configs
-from ._ring import Ring
-from ._slots import Scheduler, Step
-from ._stats import Counters, RingOccupancy, occupancy, worker_busy
-from ._wait import COPY, READY, Waiter
+from shmloader import _checkpoint
+from shmloader.main.delivery import Delivery
+from shmloader.main.dispatch import batches_of
+from shmloader._errors import CorruptSlotError, StopCarrier, raise_worker_error
+from shmloader.wire.layout import Field, Status
+from shmloader.main.lease import leaves_of, read_pickled, slot_of
+from shmloader.main.lifecycle import Lifecycle, live
+from shmloader.main.overflow import OverflowBroker
+from shmloader.worker.produce import worker_configs
+from shmloader.wire.ring import Ring
+from shmloader.main.scheduler import Scheduler, Step
+from shmloader._stats import Counters, RingOccupancy, occupancy, worker_busy
+from shmloader.main.wait import COPY, READY, Waiter
 
 PARENT_CHECK_S = 0.5  # how often an idle worker checks that this process lives
 # Private answers of the iterator's steps, never a user's value (a batch may be None, 0, [] ...)

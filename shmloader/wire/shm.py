@@ -15,6 +15,8 @@ from typing import Callable
 
 import posix_ipc
 
+from shmloader._errors import SharedMemoryFullError
+
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "shmloader-"
 
@@ -71,7 +73,6 @@ def _fixes(needed: int, free: int) -> str:
 
 def check_free(needed: int, path: str = SHM_DIR) -> None:
     """Raise SharedMemoryFullError if ``path`` cannot hold ``needed`` more bytes."""
-    from ._errors import SharedMemoryFullError
 
     free = shm_free_bytes(path)
     if free is not None and needed > free:
@@ -92,7 +93,6 @@ def create_segment_fd(size: int) -> tuple[str, int, Mapping]:
     The pages are reserved with posix_fallocate, so a full tmpfs fails here with a
     clear error instead of a SIGBUS on first touch.
     """
-    from ._errors import SharedMemoryFullError
 
     name = new_name(SEGMENT_PREFIX)
     shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)

@@ -22,11 +22,11 @@ import numpy as np
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import _native
-from ._accel import TENSORS
-from ._errors import CorruptSlotError
-from ._layout import _NUMPY_MAX_NDIM, LONE_LEAF, NP_DTYPES, STORAGE, TYPED_STORAGE, VIEW, Field, Kind, Region, view_leaf
-from ._ring import Ring
+from shmloader import _native
+from shmloader._accel import TENSORS
+from shmloader._errors import CorruptSlotError
+from shmloader.wire.layout import _NUMPY_MAX_NDIM, LONE_LEAF, NP_DTYPES, STORAGE, TYPED_STORAGE, VIEW, Field, Kind, Region, view_leaf
+from shmloader.wire.ring import Ring
 
 
 _TENSOR = int(Kind.TENSOR)

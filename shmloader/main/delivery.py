@@ -25,14 +25,16 @@ from typing import Any
 
 import torch
 
-from . import _device, _native
-from ._layout import Field
-from ._lease import Leases, copy_leaf, lone_args, read_batch, read_dataset_state
-from ._overflow import OverflowBroker
-from ._pool import WorkerPool
-from ._ring import Ring
-from ._slots import Scheduler, SlotState
-from ._stats import Counters
+from shmloader import _native
+
+from shmloader.main import device as _device
+from shmloader.wire.layout import Field
+from shmloader.main.lease import Leases, copy_leaf, lone_args, read_batch, read_dataset_state
+from shmloader.main.overflow import OverflowBroker
+from shmloader.main.pool import WorkerPool
+from shmloader.wire.ring import Ring
+from shmloader.main.scheduler import Scheduler, SlotState
+from shmloader._stats import Counters
 
 
 # A held batch (the user holds every slot a worker can spare: most_lent) under this many bytes is

@@ -18,8 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from . import _native, _shm
-from ._layout import DONE, N_COUNTERS, N_FIELDS, RingGeometry, Field
+from shmloader import _native
+
+from shmloader.wire import shm as _shm
+from shmloader.wire.layout import DONE, N_COUNTERS, N_FIELDS, RingGeometry, Field
 
 # What Ring.post_task (and _native.post_task) returns.
 POSTED, DOES_NOT_FIT, NOT_INTS = 1, 0, -1

@@ -22,11 +22,11 @@ import time
 from multiprocessing import connection as mp_connection
 from typing import Any, Callable
 
-from ._delivery import Delivery
-from ._lifecycle import Lifecycle
-from ._ring import YieldWait
-from ._slots import Scheduler
-from ._stats import Counters
+from shmloader.main.delivery import Delivery
+from shmloader.main.lifecycle import Lifecycle
+from shmloader.wire.ring import YieldWait
+from shmloader.main.scheduler import Scheduler
+from shmloader._stats import Counters
 
 READY = ("ready",)
 COPY = ("copy",)

@@ -1,0 +1,79 @@
+"""The package by process: ``shmloader/wire`` (the shared format) imports nothing of
+``shmloader/main`` (the training process) or ``shmloader/worker`` (a worker); the worker imports
+nothing of the training process; no module of the package imports itself back through others.
+Read from the source (every import statement, those inside functions included), and by
+importing the worker's entry point in a fresh interpreter."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import shmloader
+
+PACKAGE = pathlib.Path(shmloader.__file__).parent
+
+
+def module_of(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports() -> dict[str, set[str]]:
+    """module -> the package's modules it names in an import (packages' own files included)."""
+    modules = {module_of(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the module's own package up
+                    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+                    package = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{package}.{base}" if base else package
+                for alias in node.names:
+                    found |= {m for m in (f"{base}.{alias.name}", base) if m in modules}
+            elif isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names if alias.name in modules}
+        graph[name] = found - {name, "shmloader"}
+    return graph
+
+
+def test_the_shared_format_and_the_worker_import_nothing_of_the_training_process() -> None:
+    for name, targets in imports().items():
+        if name.startswith("shmloader.wire"):
+            assert not {t for t in targets if t.startswith(("shmloader.main", "shmloader.worker"))}, name
+        if name.startswith("shmloader.worker"):
+            assert not {t for t in targets if t.startswith("shmloader.main")}, name
+
+
+def test_no_import_circle() -> None:
+    graph = imports()
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for target in sorted(graph.get(name, ())):
+            assert state.get(target) != 1, " -> ".join([*path, name, target])
+            if target not in state:
+                visit(target, [*path, name])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+
+
+def test_a_worker_process_loads_nothing_of_the_training_process() -> None:
+    code = ("import sys\nimport shmloader.worker.loop\n"
+            "print(sorted(m for m in sys.modules if m.startswith('shmloader.main')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_public_names_are_the_packages() -> None:
+    for name in shmloader.__all__:
+        assert getattr(shmloader, name) is not None, name
