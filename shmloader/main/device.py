@@ -4,7 +4,7 @@ Registration: with ``pin_memory=True`` or ``device="cuda..."`` the main process 
 the whole segment with ``cudaHostRegister`` once, right after creating it, so every slot
 is pinned where it lies: no pinned bounce copy, no caching host allocator that grows.
 The registration is undone while the memory is still mapped, just before it is unmapped
-(``_shm.Mapping``'s hook: when the last batch viewing it dies, or at ``close()``). If registration fails
+(``wire.shm.Mapping``'s hook: when the last batch viewing it dies, or at ``close()``). If registration fails
 (locked-memory limits, an unsupported platform) this warns, saying what was lost, and
 copies come from pageable memory.
 

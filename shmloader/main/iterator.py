@@ -2,16 +2,16 @@
 
 ``RingIterator`` is a facade. What it holds, each owned by one collaborator:
 
-- ``_sched`` (``_slots.Scheduler``, native): every slot's state, the epoch's tasks, the
+- ``_sched`` (``main.scheduler.Scheduler``, native): every slot's state, the epoch's tasks, the
   dispatch cursor, sequence numbers, banked tokens; its ``step`` is the per-batch path;
-- ``_broker`` (``_overflow.OverflowBroker``): overflow grants, ``memory_budget``, growth;
-- ``_delivery`` (``_delivery.Delivery``): leases, one-tensor batches, piped and staged ones;
-- ``_life`` (``_lifecycle.Lifecycle``): the workers, the doorbell, the ring: start, grow,
+- ``_broker`` (``main.overflow.OverflowBroker``): overflow grants, ``memory_budget``, growth;
+- ``main.delivery`` (``main.delivery.Delivery``): leases, one-tensor batches, piped and staged ones;
+- ``_life`` (``main.lifecycle.Lifecycle``): the workers, the doorbell, the ring: start, grow,
   replacement, shutdown;
-- ``_waiter`` (``_wait.Waiter``): sync and async waits.
+- ``_waiter`` (``main.wait.Waiter``): sync and async waits.
 
 The logic of one ``next()`` is the generator ``_steps``: it yields a *wait request*
-(``_wait.READY``, ``_wait.COPY``, ``("conns", workers)``) whenever nothing is ready; ``for``
+(``main.wait.READY``, ``main.wait.COPY``, ``("conns", workers)``) whenever nothing is ready; ``for``
 (``__next__``) and ``async for`` (``__anext__``) are two thin drivers that fulfil requests
 (``Waiter.block``, ``Waiter.wait``) and resume it. Each of its passes is ``_round``, which never
 waits: one ``Scheduler.step`` per batch in the steady state, whose events (a request for

@@ -145,7 +145,7 @@ class _LeafUnpickler(pickle.Unpickler):
 
 
     def _view(self, leaf_id: Any, dtype_name: Any, offset: Any, size: Any, stride: Any) -> torch.Tensor:
-        """A tensor over the storage of leaf ``leaf_id`` (``_collate.View``), bounds checked."""
+        """A tensor over the storage of leaf ``leaf_id`` (``worker.collate.View``), bounds checked."""
         dtype = getattr(torch, dtype_name, None) if type(dtype_name) is str else None
         leaf = self._leaves[leaf_id] if type(leaf_id) is int and 0 <= leaf_id < len(self._leaves) else None
         ok = (isinstance(dtype, torch.dtype) and type(leaf) is torch.Tensor and type(offset) is int and offset >= 0

@@ -338,7 +338,7 @@ class Lifecycle:
                 self.post(slot)
 
     def post(self, slot: int) -> None:
-        """Post ``slot``'s task the way its index fits (``_dispatch.post``): what the scheduler's
+        """Post ``slot``'s task the way its index fits (``main.dispatch.post``): what the scheduler's
         step could not post itself, or a task dispatched again."""
         ring, task = self.ring, self.sched.task_of(slot)
         assert ring is not None and task is not None

@@ -1,6 +1,6 @@
 """Waiting (main process): how ``next()`` and ``async for`` wait when nothing is ready.
 
-The iterator's steps (``_consume``) never wait themselves: they yield a *wait request* and
+The iterator's steps (``main.iterator``) never wait themselves: they yield a *wait request* and
 are resumed once it is fulfilled. This module fulfils the three kinds, two ways:
 
 - ``READY``: a published slot. Sync: yield the CPU and look again a few times

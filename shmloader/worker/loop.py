@@ -7,7 +7,7 @@ takes slot numbers from its task queue (a semaphore per worker), reads the index
 slot, writes the batch and the result header, marks the slot DONE, posts the ready
 semaphore and rings the doorbell (an eventfd the main process's event loop watches).
 
-A batch that does not fit its slot takes the overflow path (see ``_overflow.py``): the
+A batch that does not fit its slot takes the overflow path (see ``main/overflow.py``): the
 worker publishes the slot as ``NEED_MEMORY`` and waits on its setup connection for the
 memory (an fd), a "drop", or (no room in memory_budget while the consumer holds it) a
 request to send the batch pickled over the connection; then it publishes again. When the

@@ -3,7 +3,7 @@
 ``init`` sets a worker up as torch's loader does (one thread, seeds from the base seed and
 the worker id, ``get_worker_info()``, ``worker_init_fn``). ``Producer`` turns a task's
 index into samples (``dataset[i]``, ``__getitems__``, or the next items of an
-IterableDataset's shard) and collates them into a ``SlotWriter`` (``_collate``): the default
+IterableDataset's shard) and collates them into a ``SlotWriter`` (``worker.collate``): the default
 collate stacks straight into the slot, a custom ``collate_fn``'s result is copied in once.
 Its answer is an ``Outcome``: a batch (and the bytes it needs), an end of shard, or the
 batch's error. ``WorkerConfig`` is everything a worker gets from the loader.
