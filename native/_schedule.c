@@ -73,7 +73,9 @@ typedef struct {
     int own; /* tasks dispatched now go into memory of their own: the user holds the ring */
     /* the ring, once attached */
     PyObject *ring;
-    PyObject *tails; /* the ring's list: tasks queued per worker so far (Ring._tails) */
+    int64_t *tails; /* per worker: entries queued on the attached ring so far. Written here alone:
+                       the step's posts and every other queue write of the main process (push,
+                       post_index, renew_queue) are this table's methods. */
     Py_ssize_t *header_off, *data_off, *queue_off, *task_sem;
     Py_ssize_t ready_sem, queue_len, data_bytes;
     /* tasks dispatched but not posted (the index is no list of int64 ints, or does not fit) */
@@ -259,24 +261,16 @@ static int next_index(Scheduler *t, PyObject *sampler, Py_ssize_t *worker, PyObj
 }
 
 /* The task queue entry and the post for `slot`'s task (view: the ring, writable). */
-static int post(Scheduler *t, Py_buffer *view, Py_ssize_t slot) {
+static int post_as(Scheduler *t, Py_buffer *view, Py_ssize_t slot, PyObject *index, int pickled) {
     Py_ssize_t w = t->worker[slot];
-    PyObject *tail_obj = PyList_GET_ITEM(t->tails, w);
-    Py_ssize_t tail = PyLong_AsSsize_t(tail_obj);
-    if (tail < 0) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "post: a negative queue tail");
-        return -2;
-    }
-    Py_ssize_t entry = t->queue_off[w] + (tail % t->queue_len) * 8;
-    int code = shmloader_write_task(view, t->header_off[slot], t->epoch[slot], t->seq[slot], t->index[slot], 0,
+    Py_ssize_t entry = t->queue_off[w] + (Py_ssize_t)(t->tails[w] % t->queue_len) * 8;
+    int code = shmloader_write_task(view, t->header_off[slot], t->epoch[slot], t->seq[slot], index, pickled,
                                     t->data_off[slot], t->data_bytes, entry, slot, t->task_sem[w], t->own);
-    if (code == 1) {
-        PyObject *next_tail = PyLong_FromSsize_t(tail + 1);
-        if (next_tail == NULL) return -2;
-        PyList_SetItem(t->tails, w, next_tail);
-    }
+    if (code == 1) t->tails[w]++;
     return code;
 }
+
+static int post(Scheduler *t, Py_buffer *view, Py_ssize_t slot) { return post_as(t, view, slot, t->index[slot], 0); }
 
 /* Dispatch tasks while a slot is free, fewer than `cap` tasks exist and the epoch has more:
    each posted to its worker, or (an index the slot cannot take as int64s) listed unposted. */
@@ -823,10 +817,10 @@ static PyObject *m_next_task(Scheduler *t, PyObject *sampler) {
 }
 
 PyDoc_STRVAR(attach_doc, "attach($self, ring, header_offsets, data_offsets, data_bytes, queue_offsets, queue_len, "
-"task_sems, ready_sem, tails, /)\n--\n\n"
+"task_sems, ready_sem, /)\n--\n\n"
 "The ring `step` collects from and posts to: its mapping, the offsets of each slot's header\n"
-"and data region and of each worker's task queue and task semaphore, the ready semaphore's,\n"
-"and `tails` (the ring's list of tasks queued per worker, shared: it moves it).");
+"and data region and of each worker's task queue and task semaphore, and the ready\n"
+"semaphore's. Its queues are empty: every tail starts at 0.");
 
 /* The ints of a tuple of `n` offsets, in a new array (*out), or -1 with an exception. */
 static int offsets(PyObject *tuple, Py_ssize_t n, Py_ssize_t **out, const char *what) {
@@ -851,7 +845,7 @@ static int offsets(PyObject *tuple, Py_ssize_t n, Py_ssize_t **out, const char *
 }
 
 static PyObject *m_attach(Scheduler *t, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs_are("attach", nargs, 9) < 0) return NULL;
+    if (nargs_are("attach", nargs, 8) < 0) return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0) return NULL;
     Py_ssize_t len = view.len;
@@ -859,10 +853,6 @@ static PyObject *m_attach(Scheduler *t, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t data_bytes = PyLong_AsSsize_t(args[3]), queue_len = PyLong_AsSsize_t(args[5]),
                ready_sem = PyLong_AsSsize_t(args[7]);
     if (PyErr_Occurred()) return NULL;
-    if (!PyList_CheckExact(args[8]) || PyList_GET_SIZE(args[8]) != t->n_workers) {
-        PyErr_Format(PyExc_ValueError, "attach: tails must be a list of %zd counts", t->n_workers);
-        return NULL;
-    }
     Py_ssize_t *header_off = NULL, *data_off = NULL, *queue_off = NULL, *task_sem = NULL;
     if (offsets(args[1], t->n_slots, &header_off, "header_offsets") < 0 ||
         offsets(args[2], t->n_slots, &data_off, "data_offsets") < 0 ||
@@ -896,8 +886,7 @@ static PyObject *m_attach(Scheduler *t, PyObject *const *args, Py_ssize_t nargs)
     t->ready_sem = ready_sem;
     Py_INCREF(args[0]);
     Py_XSETREF(t->ring, args[0]);
-    Py_INCREF(args[8]);
-    Py_XSETREF(t->tails, args[8]);
+    memset(t->tails, 0, (size_t)t->n_workers * sizeof(int64_t));
     Py_RETURN_NONE;
 fail:
     PyMem_Free(header_off);
@@ -905,6 +894,88 @@ fail:
     PyMem_Free(queue_off);
     PyMem_Free(task_sem);
     return NULL;
+}
+
+/* The attached ring's mapping (writable), or -1 with RuntimeError before attach. */
+static int attached(Scheduler *t, Py_buffer *view, const char *what) {
+    if (t->ring == NULL) {
+        PyErr_Format(PyExc_RuntimeError, "%s: the scheduler is attached to no ring", what);
+        return -1;
+    }
+    return PyObject_GetBuffer(t->ring, view, PyBUF_WRITABLE);
+}
+
+PyDoc_STRVAR(push_doc, "push($self, worker, entry, /)\n--\n\n"
+"Queue `entry` (a slot, or STOP_TASK, RESIZE_TASK) for `worker` on the attached ring and wake it\n"
+"(its task semaphore).");
+
+static PyObject *m_push(Scheduler *t, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t w;
+    if (nargs_are("push", nargs, 2) < 0 || worker_arg(t, args[0], &w) < 0) return NULL;
+    long long entry = PyLong_AsLongLong(args[1]);
+    if (entry == -1 && PyErr_Occurred()) return NULL;
+    Py_buffer view;
+    if (attached(t, &view, "push") < 0) return NULL;
+    int64_t *queue = (int64_t *)((char *)view.buf + t->queue_off[w]);
+    queue[t->tails[w] % t->queue_len] = entry; /* (the post below orders it before the worker's read) */
+    t->tails[w]++;
+    int failed = sem_post((sem_t *)((char *)view.buf + t->task_sem[w]));
+    PyBuffer_Release(&view);
+    if (failed) return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(post_index_doc, "post_index($self, slot, index, pickled, /)\n--\n\n"
+"Post IN_FLIGHT `slot`'s task with `index` for its index (a list of ints, or with `pickled` the\n"
+"pickled index's bytes): written into the slot, queued, its worker woken, as `step` posts.\n"
+"Returns 1 (posted), 0 (it does not fit the slot: nothing written or queued) or -1 (not a list\n"
+"of int64 ints: pickle it).");
+
+static PyObject *m_post_index(Scheduler *t, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t slot;
+    if (nargs_are("post_index", nargs, 3) < 0 || slot_arg(t, args[0], &slot) < 0 ||
+        expect(t, slot, BIT(SLOT_IN_FLIGHT)) < 0)
+        return NULL;
+    int pickled = PyObject_IsTrue(args[2]);
+    if (pickled < 0) return NULL;
+    Py_buffer view;
+    if (attached(t, &view, "post_index") < 0) return NULL;
+    int code = post_as(t, &view, slot, args[1], pickled);
+    PyBuffer_Release(&view);
+    if (code == -2) return NULL;
+    return PyLong_FromLong(code);
+}
+
+PyDoc_STRVAR(renew_queue_doc, "renew_queue($self, worker, /)\n--\n\n"
+"An empty queue and a fresh task semaphore for `worker` on the attached ring: its process died,\n"
+"maybe inside a wait, and its replacement starts from nothing queued.");
+
+static PyObject *m_renew_queue(Scheduler *t, PyObject *arg) {
+    Py_ssize_t w;
+    if (worker_arg(t, arg, &w) < 0) return NULL;
+    Py_buffer view;
+    if (attached(t, &view, "renew_queue") < 0) return NULL;
+    int failed = sem_init((sem_t *)((char *)view.buf + t->task_sem[w]), 1, 0);
+    memset((char *)view.buf + t->queue_off[w], 0, (size_t)t->queue_len * 8);
+    t->tails[w] = 0;
+    PyBuffer_Release(&view);
+    if (failed) return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(set_idle_doc, "set_idle($self, slot, /)\n--\n\n"
+"Store STATE_IDLE into `slot`'s header (a release store) before its worker is answered or its\n"
+"task is sent another way: the worker's next publication of the slot is then the one read.");
+
+static PyObject *m_set_idle(Scheduler *t, PyObject *arg) {
+    Py_ssize_t slot;
+    if (slot_arg(t, arg, &slot) < 0) return NULL;
+    Py_buffer view;
+    if (attached(t, &view, "set_idle") < 0) return NULL;
+    int64_t *state = (int64_t *)((char *)view.buf + t->header_off[slot]) + F_STATE;
+    __atomic_store_n(state, (int64_t)STATE_IDLE, __ATOMIC_RELEASE);
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(take_unposted_doc, "take_unposted($self, /)\n--\n\n"
@@ -966,6 +1037,10 @@ static PyMethodDef scheduler_methods[] = {
     {"next_task", (PyCFunction)m_next_task, METH_O, next_task_doc},
     {"attach", (PyCFunction)(void (*)(void))m_attach, METH_FASTCALL, attach_doc},
     {"take_unposted", (PyCFunction)m_take_unposted, METH_NOARGS, take_unposted_doc},
+    {"push", (PyCFunction)(void (*)(void))m_push, METH_FASTCALL, push_doc},
+    {"post_index", (PyCFunction)(void (*)(void))m_post_index, METH_FASTCALL, post_index_doc},
+    {"renew_queue", (PyCFunction)m_renew_queue, METH_O, renew_queue_doc},
+    {"set_idle", (PyCFunction)m_set_idle, METH_O, set_idle_doc},
     {"resize", (PyCFunction)m_resize, METH_O, resize_doc},
     {NULL, NULL, 0, NULL},
 };
@@ -1045,6 +1120,15 @@ static PyObject *get_load(Scheduler *t, void *c) {
     return out;
 }
 
+static PyObject *get_tails(Scheduler *t, void *c) {
+    PyObject *out = PyTuple_New(t->n_workers);
+    for (Py_ssize_t w = 0; out != NULL && w < t->n_workers; w++) {
+        PyObject *v = PyLong_FromLongLong((long long)t->tails[w]);
+        if (v == NULL) Py_CLEAR(out); else PyTuple_SET_ITEM(out, w, v);
+    }
+    return out;
+}
+
 static PyObject *get_active(Scheduler *t, void *c) {
     PyObject *out = PyTuple_New(t->n_workers);
     for (Py_ssize_t w = 0; out != NULL && w < t->n_workers; w++) PyTuple_SET_ITEM(out, w, PyBool_FromLong(t->active[w]));
@@ -1063,6 +1147,7 @@ static PyGetSetDef scheduler_getset[] = {
     {"n_ready", (getter)get_n_ready, NULL, "READY slots", NULL},
     {"n_tasks", (getter)get_n_tasks, NULL, "slots with a task (IN_FLIGHT, WAITING, READY)", NULL},
     {"load", (getter)get_load, NULL, "IN_FLIGHT and WAITING tasks per worker", NULL},
+    {"tails", (getter)get_tails, NULL, "entries queued per worker on the attached ring (written here alone)", NULL},
     {"active", (getter)get_active, NULL, "workers that take tasks (an ended shard's do not): changed by end_shard", NULL},
     {"rr", (getter)get_rr, (setter)set_rr, "the worker the round robin looks at next", NULL},
     {"send_seq", (getter)get_send_seq, (setter)set_send_seq, "the sequence number of the next task", NULL},
@@ -1146,7 +1231,6 @@ static PyObject *m_resize(Scheduler *t, PyObject *arg) {
 static int scheduler_traverse(Scheduler *t, visitproc visit, void *arg) {
     for (Py_ssize_t s = 0; t->index != NULL && s < t->n_slots; s++) Py_VISIT(t->index[s]);
     Py_VISIT(t->ring);
-    Py_VISIT(t->tails);
     Py_VISIT(t->unposted);
     return 0;
 }
@@ -1154,7 +1238,6 @@ static int scheduler_traverse(Scheduler *t, visitproc visit, void *arg) {
 static int scheduler_clear(Scheduler *t) {
     for (Py_ssize_t s = 0; t->index != NULL && s < t->n_slots; s++) Py_CLEAR(t->index[s]);
     Py_CLEAR(t->ring);
-    Py_CLEAR(t->tails);
     return 0; /* (unposted stays a list: it holds ints only) */
 }
 
@@ -1168,7 +1251,7 @@ static void scheduler_dealloc(Scheduler *t) {
     PyMem_Free(t->queue_off);
     PyMem_Free(t->task_sem);
     Py_XDECREF(t->ring);
-    Py_XDECREF(t->tails);
+    PyMem_Free(t->tails);
     Py_XDECREF(t->unposted);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
@@ -1192,9 +1275,10 @@ static int scheduler_fill_in(Scheduler *t, PyObject *args, PyObject *kwargs) {
     t->in_order = in_order;
     t->table_epoch = epoch;
     t->load = PyMem_Calloc((size_t)n_workers, sizeof(int64_t));
+    t->tails = PyMem_Calloc((size_t)n_workers, sizeof(int64_t));
     t->active = PyMem_Malloc((size_t)n_workers);
     t->unposted = PyList_New(0);
-    if (t->load == NULL || t->active == NULL || t->unposted == NULL) {
+    if (t->load == NULL || t->tails == NULL || t->active == NULL || t->unposted == NULL) {
         if (!PyErr_Occurred()) PyErr_NoMemory();
         return -1;
     }

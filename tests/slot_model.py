@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from shmloader import _native
 from shmloader.wire.layout import DONE, Field, Region, Status
 from shmloader.wire.ring import POSTED, Ring
 from shmloader.main.scheduler import Scheduler, SlotState, Step, Task
@@ -28,6 +29,7 @@ class ModelTable:
         self.send_seq = self.rcvd_seq = self.banked = 0
         self.exhausted = False  # the epoch has no more tasks: the sampler is exhausted, or every shard ended
         self.unposted: list[int] = []
+        self.tails = [0] * num_workers  # entries queued per worker on the ring (attached: all 0)
 
     @property
     def waiting_count(self) -> int:
@@ -201,7 +203,13 @@ class ModelTable:
                 return
             slot = self.dispatch(worker, self.send_seq, index)
             self.send_seq += 1
-            if ring.post_task(worker, slot, self.epoch, self.tasks[slot].seq, index) != POSTED:
+            # The task written into its slot and queued at the worker's tail (the tails' one writer)
+            entry = ring.queue_offsets[worker] + (self.tails[worker] % ring.queue_len) * 8
+            if _native.post_task(ring.mm, ring.header_offsets[slot], self.epoch, self.tasks[slot].seq, index, False,
+                                 ring.data_offsets[slot], ring.data_bytes, entry, slot, ring.task_sems[worker],
+                                 False) == POSTED:
+                self.tails[worker] += 1
+            else:
                 self.unposted.append(slot)
 
 
@@ -217,6 +225,7 @@ def same(native: Scheduler, model: ModelTable) -> None:
     assert list(native.load) == model.load
     assert (native.outstanding, native.waiting_count, native.n_ready, native.n_free, native.n_tasks) == (
         model.outstanding, model.waiting_count, len(model.ready()), len(model.free), len(model.tasks))
+    assert list(native.tails) == model.tails
     assert (list(native.active), native.rr, native.send_seq, native.rcvd_seq, native.banked,
             native.exhausted, native.epoch) == (model.active, model.rr, model.send_seq, model.rcvd_seq,
                                                    model.banked, model.exhausted, model.epoch)

@@ -16,13 +16,14 @@ from typing import Any, Callable
 
 from torch.utils.data import BatchSampler, SequentialSampler
 
-from shmloader.wire.layout import IDLE, Field
+from shmloader.main.scheduler import Scheduler
+from shmloader.wire.layout import Field
 from shmloader.wire.ring import NOT_INTS, POSTED, Ring
 
 
 def batches_of(index_sampler: Any) -> Any:
     """``iter(index_sampler)``, except for torch's own BatchSampler over its SequentialSampler
-    (those exact types): the same batches as ``range`` objects, which ``Ring.post_task`` writes
+    (those exact types): the same batches as ``range`` objects, which the scheduler's post writes
     as the list of their ints without making one. A task's index may so be a range; anything
     that hands it on as an index (a pipe, a pickle, a message) takes ``as_list(index)``."""
     if type(index_sampler) is BatchSampler and type(index_sampler.sampler) is SequentialSampler:
@@ -43,26 +44,27 @@ def as_list(index: Any) -> Any:
     return list(index) if type(index) is range else index
 
 
-def post(ring: Ring, send: Callable[[int, tuple[Any, ...]], object], slot: int, wid: int, epoch: int, seq: int,
-         index: Any, own: bool) -> int:
-    """Write task ``seq`` into ``slot`` and wake worker ``wid``, the way its index fits: a list
-    of ints as int64 values (one native call: what ``Scheduler.step`` posts itself), else
-    pickled into the slot, else pickled over the worker's connection (``send``). Returns the
-    bytes of an index the slot could not hold (the ring should grow to hold it), else 0. ``own``:
-    the batch goes into memory of its own (``Field.OWN``)."""
-    posted = ring.post_task(wid, slot, epoch, seq, index, own=own)
+def post(sched: Scheduler, ring: Ring, send: Callable[[int, tuple[Any, ...]], object], slot: int) -> int:
+    """Post IN_FLIGHT ``slot``'s task (its worker, epoch, seq and index from ``sched``) the way its
+    index fits: a list of ints as int64 values (one native call: what ``Scheduler.step`` posts
+    itself), else pickled into the slot, else pickled over the worker's connection (``send``).
+    Every queue entry and STATE store goes through the scheduler, their one writer. Returns the
+    bytes of an index the slot could not hold (the ring should grow to hold it), else 0."""
+    task = sched.task_of(slot)
+    assert task is not None
+    posted = sched.post_index(slot, task.index, False)
     if posted == NOT_INTS:
-        payload = pickle.dumps(as_list(index), protocol=pickle.HIGHEST_PROTOCOL)
-        posted = ring.post_task(wid, slot, epoch, seq, payload, True, own)
+        payload = pickle.dumps(as_list(task.index), protocol=pickle.HIGHEST_PROTOCOL)
+        posted = sched.post_index(slot, payload, True)
     if posted == POSTED:
         return 0
-    payload = pickle.dumps(as_list(index), protocol=pickle.HIGHEST_PROTOCOL)
+    payload = pickle.dumps(as_list(task.index), protocol=pickle.HIGHEST_PROTOCOL)
     hdr = ring.headers[slot]
-    hdr[Field.STATE] = IDLE
-    hdr[Field.EPOCH] = epoch
-    hdr[Field.SEQ] = seq
+    hdr[Field.EPOCH] = task.epoch
+    hdr[Field.SEQ] = task.seq
     hdr[Field.TASK_LEN] = -1
-    hdr[Field.OWN] = own
-    send(wid, ("index", slot, payload))
-    ring.push_task(wid, slot)
+    hdr[Field.OWN] = sched.own
+    sched.set_idle(slot)
+    send(task.worker, ("index", slot, payload))
+    sched.push(task.worker, slot)
     return len(payload) if len(payload) > ring.data_bytes else 0

@@ -230,7 +230,7 @@ class Lifecycle:
         self.share = self.broker.memory.map_ring(ring.mm, ring.geometry.total_bytes)
         self.sched.resize(ring.geometry.num_slots)
         self.sched.attach(ring.mm, ring.header_offsets, ring.data_offsets, ring.data_bytes, ring.queue_offsets,
-                          ring.queue_len, tuple(ring.task_sems), ring.ready_sem, ring.tails)
+                          ring.queue_len, tuple(ring.task_sems), ring.ready_sem)
         self.delivery.attach(ring)
 
     # --------------------------------------------------------------- grow
@@ -262,8 +262,12 @@ class Lifecycle:
         except BaseException:
             ring.close()
             raise
-        # (nothing was in flight: the old ring drained.) A worker replaced from here on
-        # inherits the new ring. The old ring is closed whatever happens next.
+        # (nothing was in flight: the old ring drained.) Each worker's next entry on the old ring
+        # is RESIZE_TASK, queued while the scheduler still writes the old ring's queues; it then
+        # waits on its pipe for the new one. A worker replaced from here on inherits the new ring.
+        # The old ring is closed whatever happens next.
+        for wid in range(self.sched.num_workers):
+            self.sched.push(wid, RESIZE_TASK)
         self._use(ring)
         self.attaching = dict(enumerate(self.pool.procs))
         try:
@@ -271,7 +275,6 @@ class Lifecycle:
                 # One that died already (unseen: liveness is checked before sleeping) is replaced
                 # by await_attached's check, on the new ring: it is then no longer waited for.
                 self.pool.send(wid, ("ring", -1, ring.geometry), ring.fd, dead_ok=True)
-                old.push_task(wid, RESIZE_TASK)
         finally:
             old.give_back(keep)  # (drained: no task is in flight; the workers' next is to attach)
             old.close()
@@ -330,7 +333,7 @@ class Lifecycle:
         if self.delivery.iterable:  # the iterator's first epoch may have begun from a checkpoint: its state
             first = pool.configs[wid].dataset_state if sched.epoch == 0 else b""
             shard = (self.delivery.shard_state(wid, first), sched.epoch)
-        self.ring.renew_queue(wid)
+        sched.renew_queue(wid)
         pool.replace(wid, self.ring, self.doorbell.fd, shard)
         for slot, task in orphans:  # to its replacement: the batch -> worker assignment stays torch's
             if task.epoch == sched.epoch:
@@ -340,11 +343,10 @@ class Lifecycle:
     def post(self, slot: int) -> None:
         """Post ``slot``'s task the way its index fits (``main.dispatch.post``): what the scheduler's
         step could not post itself, or a task dispatched again."""
-        ring, task = self.ring, self.sched.task_of(slot)
-        assert ring is not None and task is not None
+        ring = self.ring
+        assert ring is not None
         send = self.pool.send
-        needed = post(ring, lambda wid, msg: send(wid, msg, dead_ok=True), slot, task.worker, task.epoch, task.seq,
-                      task.index, self.sched.own)
+        needed = post(self.sched, ring, lambda wid, msg: send(wid, msg, dead_ok=True), slot)
         if needed:
             self.broker.want_growth(needed, ring.data_bytes)
 
@@ -363,7 +365,7 @@ class Lifecycle:
         try:
             if stager is not None:
                 stager.stream.synchronize()  # no DMA may outlive the mapping it reads
-            self.pool.stop(self.ring)
+            self.pool.stop(None if self.ring is None else self.sched.push)
             if self.ring is not None:  # nobody writes it now: what nobody holds goes back
                 self.busy = worker_busy(self.ring.counters)  # (the counters' pages go back too)
                 kept = self.ring.give_back(self.delivery.kept(), control=True)

@@ -40,7 +40,7 @@ import numpy as np
 
 from shmloader.main import device as _device
 from shmloader._errors import MemoryBudgetError, SharedMemoryFullError
-from shmloader.wire.layout import IDLE, PAGE, grown_slot_bytes, round_up
+from shmloader.wire.layout import PAGE, grown_slot_bytes, round_up
 from shmloader.main.lease import Where
 from shmloader.wire.ring import Ring
 from shmloader.wire.shm import Mapping
@@ -229,7 +229,7 @@ class OverflowBroker:
                 return  # granting out of order could give an undeliverable later batch the room
             room = self._room_for(sched, ring, task.seq, size, staging)
             if room is None:  # only the batches the caller holds could make room: a copy, not a hang
-                ring.set_state(slot, IDLE)
+                sched.set_idle(slot)
                 sched.granted(slot)
                 send(task.worker, slot, -1)
                 continue
@@ -240,7 +240,7 @@ class OverflowBroker:
             try:
                 if pinned:
                     _device.register_host(mm, size)
-                ring.set_state(slot, IDLE)  # before the worker can publish again
+                sched.set_idle(slot)  # before the worker can publish again
                 sched.granted(slot)
                 self.grants[slot] = (mm, size)
                 send(task.worker, slot, size, fd)

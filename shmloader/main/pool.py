@@ -11,7 +11,7 @@ import signal
 import socket
 import time
 from multiprocessing import reduction
-from typing import Any
+from typing import Any, Callable
 
 from shmloader._errors import ShmLoaderError, WorkerDiedError
 from shmloader.wire.layout import STOP_TASK
@@ -174,15 +174,16 @@ class WorkerPool:
                 "iter(loader)."
             ) from error
 
-    def stop(self, ring: Any = None) -> None:
-        """Ask every worker to stop, wait briefly, then terminate stragglers. Idempotent."""
+    def stop(self, push: Callable[[int, int], None] | None = None) -> None:
+        """Ask every worker to stop (``push``: the scheduler's, which queues STOP_TASK on the
+        ring), wait briefly, then terminate stragglers. Idempotent."""
         if self.stopped:
             return
         self.stopped = True
         for wid, proc in enumerate(self.procs):
             if proc.exitcode is None:
-                if ring is not None:
-                    ring.push_task(wid, STOP_TASK)
+                if push is not None:
+                    push(wid, STOP_TASK)
                 try:
                     self.conns[wid].send(("stop",))
                 except OSError:

@@ -146,46 +146,13 @@ class Ring(_Views):
             raise
         super().__init__(geometry, mm)
         self.mm: _shm.Mapping = mm  # the main process's mapping: pinnable, unpinned before unmapping
-        # Tasks queued per worker so far: changed in place only (the scheduler's step shares the list).
-        self.tails = [0] * geometry.num_workers
+        # (The task queues' tails are the scheduler's, their one writer: main.scheduler.)
 
     def unlink(self) -> None:
         """Remove the segment's name; mappings and the fd stay valid. Idempotent."""
         if self._name_linked:
             self._name_linked = False
             _shm.unlink_segment(self.segment)
-
-    def push_task(self, worker: int, slot: int) -> None:
-        """Queue ``slot`` (or STOP_TASK, RESIZE_TASK) for ``worker`` and wake it."""
-        q = self.queues[worker]
-        q[self.tails[worker] % self.queue_len] = slot
-        self.tails[worker] += 1
-        _native.sem_post(self.mm, self.task_sems[worker])
-
-    def post_task(self, worker: int, slot: int, epoch: int, seq: int, index: Any, pickled: bool = False,
-                  own: bool = False) -> int:
-        """Write task ``seq`` into ``slot`` (its header fields and its index: a list of ints as
-        int64 values, or with ``pickled`` the pickled index's bytes; see ``Field.TASK_LEN``; with
-        ``own``, the batch is to go into memory of its own: ``Field.OWN``), queue it for ``worker``
-        and wake it: one native call. Returns POSTED, DOES_NOT_FIT (nothing was written or queued)
-        or NOT_INTS (``index`` is not a list of int64 ints: pickle it)."""
-        tail = self.tails[worker]
-        entry = self.queue_offsets[worker] + (tail % self.queue_len) * 8
-        posted: int = _native.post_task(self.mm, self.header_offsets[slot], epoch, seq, index, pickled,
-                                        self.data_offsets[slot], self.data_bytes, entry, slot, self.task_sems[worker],
-                                        own)
-        if posted == POSTED:
-            self.tails[worker] = tail + 1
-        return posted
-
-    def renew_queue(self, worker: int) -> None:
-        """An empty queue and a fresh task semaphore for ``worker``: its process died, maybe
-        inside a wait, and its replacement starts from nothing queued."""
-        _native.sem_init(self.mm, self.geometry.task_sem(worker))
-        q = self.queues[worker]
-        for i in range(len(q)):
-            q[i] = 0
-        self.tails[worker] = 0
 
     def give_back(self, keep: set[int], control: bool = False) -> int:
         """Return the memory of every slot but those in ``keep`` to the system (``MADV_REMOVE``:

@@ -453,10 +453,9 @@ def fuzz_scheduler(native: Any, rng: random.Random, g: Guarded) -> None:
     datas = tuple(off(SEMS + 8192 + 1024 * s, 1024) for s in range(n))
     queues = tuple(off(SEMS + 16384 + 128 * q, 128) for q in range(w))
     sems = tuple(off(native.SEM_STRIDE * rng.randrange(SEMS // native.SEM_STRIDE), 32) for _ in range(w))
-    tails = [rng.choice([0, 3, 2**40, -1]) if rng.random() < 0.05 else rng.randrange(8) for _ in range(w)]
     try:
         table.attach(g.view, headers, datas, rng.choice([1024] * 9 + [-8, 2**40]), queues,
-                     rng.choice([9] * 9 + [0, -1]), sems, off(0, 32), tails)
+                     rng.choice([9] * 9 + [0, -1]), sems, off(0, 32))
     except (ValueError, TypeError, OverflowError):
         pass
     g.check("attach")
@@ -495,6 +494,10 @@ def fuzz_scheduler(native: Any, rng: random.Random, g: Guarded) -> None:
         lambda: table.step(bases, sampler, rng.random() < 0.8, rng.random() < 0.8),
         lambda: table.reclaim(rng.choice([bases, {slot(): object()}, {"x": object()}, []])),
         lambda: table.end_shard(rng.choice([0, w - 1, w, -1])),
+        lambda: table.push(worker(), rng.choice([slot(), -1, -2])),
+        lambda: table.post_index(slot(), rng.choice([[1, 2], b"xy", (1,), range(3)]), rng.random() < 0.3),
+        lambda: table.renew_queue(worker()),
+        lambda: table.set_idle(slot()),
         lambda: setattr(table, "rr", worker()),
         lambda: setattr(table, "banked", rng.choice([0, 1, 5, -1])),
         publish,
