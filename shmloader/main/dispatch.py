@@ -18,6 +18,7 @@ from torch.utils.data import BatchSampler, SequentialSampler
 
 from shmloader.main.scheduler import Scheduler
 from shmloader.wire.layout import Field
+from shmloader.wire.messages import Index
 from shmloader.wire.ring import NOT_INTS, POSTED, Ring
 
 
@@ -65,6 +66,6 @@ def post(sched: Scheduler, ring: Ring, send: Callable[[int, tuple[Any, ...]], ob
     hdr[Field.TASK_LEN] = -1
     hdr[Field.OWN] = sched.own
     sched.set_idle(slot)
-    send(task.worker, ("index", slot, payload))
+    send(task.worker, Index(slot, payload))
     sched.push(task.worker, slot)
     return len(payload) if len(payload) > ring.data_bytes else 0

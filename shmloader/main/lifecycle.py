@@ -25,6 +25,7 @@ from shmloader.main.delivery import Delivery
 from shmloader.main.dispatch import as_list, post
 from shmloader._errors import ShmLoaderError, WorkerDiedError, raise_worker_error
 from shmloader.wire.layout import RESIZE_TASK, RingGeometry, Status
+from shmloader.wire.messages import Attached, Grown, NewRing, Probe, Probed
 from shmloader.main.overflow import OverflowBroker, RingShare
 from shmloader.main.pool import WorkerPool
 from shmloader.wire.ring import Doorbell, Ring
@@ -123,7 +124,7 @@ class Lifecycle:
                 if task is None:
                     return
                 wid, seq, index = task
-            _, status, needed, error = yield from self._probe(wid, seq, index, check)
+            status, needed, error = yield from self._probe(wid, seq, index, check)
             if status == Status.STOP:
                 sched.end_shard(wid)
                 sched.rcvd_seq = seq + 1  # only exhausted shards came before
@@ -161,7 +162,7 @@ class Lifecycle:
             pending = -1
             if probe is not None and probe[0] == wid:
                 pending = sched.dispatch(wid, probe[1], probe[2])
-            self.pool.send(wid, ("ring", geometry, pending), ring.fd, dead_ok=True)
+            self.pool.send(wid, NewRing(geometry, pending), ring.fd, dead_ok=True)
 
     def _probe(self, wid: int, seq: int, index: Any, check: Callable[[], None]) -> Steps:
         """Worker ``wid``'s answer for batch ``seq`` (the epoch's first, made privately to size
@@ -171,7 +172,7 @@ class Lifecycle:
         while True:
             proc = pool.procs[wid]
             if self.probing is None or self.probing[3] is not proc:  # (a replacement is asked anew)
-                pool.send(wid, ("probe", self.sched.epoch, seq, as_list(index)), dead_ok=True)
+                pool.send(wid, Probe(self.sched.epoch, seq, as_list(index)), dead_ok=True)
                 self.probing = (wid, seq, index, proc, self.sched.epoch)
             while pool.procs[wid] is proc and not pool.conns[wid].poll():
                 check()
@@ -181,7 +182,11 @@ class Lifecycle:
                 reply = pool.recv(wid)
                 if reply is not None:
                     self.probing = None
-                    return tuple(reply)
+                    if not isinstance(reply, Probed):
+                        self.shutdown()
+                        raise ShmLoaderError(f"DataLoader worker {wid} answered {reply!r:.200} to a probe, expected "
+                                             "Probed(status, needed, error): the setup protocol is broken")
+                    return reply
                 check()  # it died as it answered: replaced here, then asked again
 
     def _drop_probe(self, check: Callable[[], None]) -> Steps:
@@ -215,10 +220,10 @@ class Lifecycle:
                     reply = pool.recv(wid)
                     if reply is None:
                         continue  # it died as it answered: the next check replaces it
-                    if reply != ("attached",):
+                    if not isinstance(reply, Attached):
                         self.shutdown()
                         raise ShmLoaderError(f"DataLoader worker {wid} answered {reply!r:.200} to a new ring, "
-                                             "expected ('attached',): the setup protocol is broken")
+                                             "expected Attached(): the setup protocol is broken")
                     del attaching[wid]
             if attaching:
                 yield ("conns", sorted(attaching))
@@ -274,7 +279,7 @@ class Lifecycle:
             for wid in range(self.sched.num_workers):
                 # One that died already (unseen: liveness is checked before sleeping) is replaced
                 # by await_attached's check, on the new ring: it is then no longer waited for.
-                self.pool.send(wid, ("ring", -1, ring.geometry), ring.fd, dead_ok=True)
+                self.pool.send(wid, Grown(ring.geometry), ring.fd, dead_ok=True)
         finally:
             old.give_back(keep)  # (drained: no task is in flight; the workers' next is to attach)
             old.close()

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from shmloader._errors import ShmLoaderError, WorkerDiedError
 from shmloader.wire.layout import STOP_TASK
+from shmloader.wire.messages import Memory, Stop
 from shmloader.wire.ring import Ring
 from shmloader.worker.produce import WorkerConfig
 from shmloader.worker.loop import InheritedFd, worker_main, worker_replacement
@@ -124,7 +125,7 @@ class WorkerPool:
         connection's descriptor for it."""
         conn = self.conns[wid]
         try:
-            conn.send_bytes(pickle.dumps(("memory", slot, size), pickle.HIGHEST_PROTOCOL))
+            conn.send_bytes(pickle.dumps(Memory(slot, size), pickle.HIGHEST_PROTOCOL))
             if size > 0:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=conn.fileno())
                 try:
@@ -185,7 +186,7 @@ class WorkerPool:
                 if push is not None:
                     push(wid, STOP_TASK)
                 try:
-                    self.conns[wid].send(("stop",))
+                    self.conns[wid].send(Stop())
                 except OSError:
                     pass
         deadline = time.monotonic() + JOIN_GRACE_S

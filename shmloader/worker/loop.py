@@ -34,9 +34,10 @@ import numpy as np
 from torch._utils import ExceptionWrapper
 
 from shmloader.worker.collate import SlotWriter, slot_collate_map
-from shmloader._errors import fit_error, picklable
+from shmloader._errors import ShmLoaderError, fit_error, picklable
 from shmloader.wire.layout import RESIZE_TASK, Counter, Region, RingGeometry, Status, round_up
 from shmloader.worker.produce import Outcome, Producer, WorkerConfig, init, wrap
+from shmloader.wire.messages import Attached, Grown, Index, Memory, NewRing, Probe, Probed, Stop
 from shmloader.wire.ring import AttachedRing
 
 _ONE = struct.pack("=Q", 1)
@@ -131,16 +132,15 @@ def worker_main(cfg: WorkerConfig, conn: Any, doorbell: InheritedFd) -> None:
 
 class Mailbox:
     """The worker's end of its setup connection once it serves the ring. The consumer sends
-    what does not fit in shared memory: overflow memory ("memory", slot, size, then the fd;
-    size 0 means drop the batch), an index too large for its slot ("index", slot, payload),
-    a new ring ("ring", -1, geometry, then the segment's fd) and ("stop",). Messages for a later
-    task are kept until asked for."""
+    what does not fit in shared memory (``wire.messages``): overflow memory (``Memory``, then
+    its fd), an index too large for its slot (``Index``), a grown ring (``Grown``, then the
+    segment's fd) and ``Stop``. Messages for a later task are kept until asked for."""
 
     def __init__(self, conn: Any, parent: ParentWatch, check_s: float) -> None:
         self.conn = conn
         self.parent = parent
         self.check_s = check_s
-        self._kept: dict[tuple[str, int], tuple[Any, ...]] = {}
+        self._kept: dict[tuple[type, int], tuple[Any, int]] = {}  # (kind, slot) -> (message, its fd or -1)
 
     def _recv_fd(self) -> int:
         """A descriptor sent as ``reduction.send_handle`` sends it, read without duplicating the
@@ -155,20 +155,25 @@ class Mailbox:
             raise EOFError("the main process closed the connection before sending a descriptor")
         return int(fds[0])
 
-    def expect(self, kind: str, slot: int = -1) -> tuple[Any, ...] | None:
-        """The message ``(kind, slot, ...)``; None when told to stop or the loader is gone."""
+    def expect(self, kind: type, slot: int = -1) -> tuple[Any, int] | None:
+        """The message of type ``kind`` for ``slot`` (-1: ``Grown``) and the descriptor that came
+        with it (-1: none); None when told to stop or the loader is gone."""
         while (kind, slot) not in self._kept:
             while not self.conn.poll(self.check_s):
                 if not self.parent.alive():
                     return None
             msg = self.conn.recv()
-            if msg[0] == "stop":
+            if isinstance(msg, Stop):
                 return None
-            if msg[0] == "memory":
-                msg = (*msg, self._recv_fd() if msg[2] > 0 else -1)
-            elif msg[0] == "ring":
-                msg = (*msg, reduction.recv_handle(self.conn))
-            self._kept[(msg[0], msg[1])] = msg
+            if isinstance(msg, Memory):
+                self._kept[(Memory, msg.slot)] = (msg, self._recv_fd() if msg.size > 0 else -1)
+            elif isinstance(msg, Grown):
+                self._kept[(Grown, -1)] = (msg, reduction.recv_handle(self.conn))
+            elif isinstance(msg, Index):
+                self._kept[(Index, msg.slot)] = (msg, -1)
+            else:
+                raise ShmLoaderError(f"DataLoader worker got {msg!r:.200} from the main process while serving "
+                                     "the ring: the setup protocol is broken")
         return self._kept.pop((kind, slot))
 
 
@@ -194,10 +199,10 @@ def _deliver(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWrite
     apart = own and 0 < leaf_bytes and needed - round_up(leaf_bytes, 8) <= ring.data_bytes
     asked = leaf_bytes if apart else needed
     _publish(ring, slot, cfg, writer, Outcome(Status.NEED_MEMORY, needed=asked), epoch, seq, doorbell)
-    reply = mailbox.expect("memory", slot)
+    reply = mailbox.expect(Memory, slot)
     if reply is None:
         return False
-    _, _, size, fd = reply
+    size, fd = reply[0].size, reply[1]
     if not size:
         return True  # the consumer no longer wants this batch (a new epoch began)
     if size < 0:  # no room in memory_budget while the consumer holds it: a pickled copy
@@ -241,17 +246,17 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
     probe_writer = SlotWriter(None)
     pending: tuple[int, int, Outcome, Any, bytes] | None = None
     batch: Any = None
-    # Setup phase: the pipe carries the probe, then the ring's geometry and the segment's fd.
+    # Setup phase: the pipe carries probes, then the ring's geometry and the segment's fd.
     while True:
         if not conn.poll(cfg.parent_check_s):
             if not parent.alive():
                 return
             continue
         msg = conn.recv()
-        if msg[0] == "stop":
+        if isinstance(msg, Stop):
             return
-        if msg[0] == "probe":
-            _, epoch, seq, index = msg
+        if isinstance(msg, Probe):
+            epoch, seq, index = msg
             if init_error is not None:
                 outcome, batch = Outcome(Status.INIT_ERROR, error=init_error), None
                 init_error = None
@@ -261,16 +266,19 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
                 if outcome.status is Status.NEED_MEMORY:
                     outcome = Outcome(Status.PROBED, needed=outcome.needed)
             pending = (epoch, seq, outcome, batch, producer.dataset_state)
-            conn.send(("probed", int(outcome.status), outcome.needed,
-                       None if outcome.error is None else picklable(outcome.error)))
+            conn.send(Probed(int(outcome.status), outcome.needed,
+                             None if outcome.error is None else picklable(outcome.error)))
             continue
-        geometry: RingGeometry = msg[1]
-        pending_slot: int = msg[2]
+        if not isinstance(msg, NewRing):
+            raise ShmLoaderError(f"DataLoader worker {cfg.worker_id} got {msg!r:.200} from the main process "
+                                 "before its ring: the setup protocol is broken")
+        geometry: RingGeometry = msg.geometry
+        pending_slot: int = msg.pending
         segment = reduction.recv_handle(conn)  # sent right after the geometry
         break
     ring = AttachedRing.by_fd(geometry, segment, cfg.worker_id)
     ring.counters[cfg.worker_id][Counter.STARTED_NS] = time.monotonic_ns()
-    conn.send(("attached",))
+    conn.send(Attached())
     mailbox = Mailbox(conn, parent, cfg.parent_check_s)
     if pending is not None and pending_slot >= 0:
         writer = SlotWriter(ring.mm)
@@ -307,12 +315,12 @@ def worker_replacement(cfg: WorkerConfig, geometry: RingGeometry, segment: Inher
 
 def _reattach(cfg: WorkerConfig, old: AttachedRing, mailbox: Mailbox) -> AttachedRing | None:
     """The ring grew: attach to the new one (counters carried over), tell the consumer."""
-    msg = mailbox.expect("ring")
-    if msg is None:
+    got = mailbox.expect(Grown)
+    if got is None:
         return None
-    ring = AttachedRing.by_fd(msg[2], msg[3], cfg.worker_id)
+    ring = AttachedRing.by_fd(got[0].geometry, got[1], cfg.worker_id)
     ring.counters[cfg.worker_id][:] = old.counters[cfg.worker_id]
-    mailbox.conn.send(("attached",))
+    mailbox.conn.send(Attached())
     return ring
 
 
@@ -341,10 +349,10 @@ def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: Producer, mailbox: M
             continue
         slot, epoch, seq, index, own = task
         if index is None:  # the pickled index did not fit the slot: it came over the connection
-            msg = mailbox.expect("index", slot)
-            if msg is None:
+            got = mailbox.expect(Index, slot)
+            if got is None:
                 return
-            index = pickle.loads(msg[2])
+            index = pickle.loads(got[0].payload)
         elif type(index) is bytes:
             index = pickle.loads(index)
         start = ring.data_offsets[slot]
