@@ -50,6 +50,7 @@ class Field:
     """
 
     STATE = 0  # IDLE while the task is pending, DONE once the result is complete (release/acquire)
+    # (written in the main process by the scheduler alone: its posts and set_idle; in a worker by publish)
     EPOCH = 1  # task: epoch the task belongs to
     SEQ = 2  # task: sequence number within the epoch
     TASK_LEN = 3  # task: bytes of the pickled index at the start of the data region; -1: the index came

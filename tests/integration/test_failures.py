@@ -172,7 +172,8 @@ def test_interpreter_exit_mid_epoch(tmp_path: pathlib.Path) -> None:
 def test_small_dev_shm_is_a_clear_error_not_a_sigbus(tmp_path: pathlib.Path, bypass_check: bool) -> None:
     body = """
         if sys.argv[1] == "bypass":  # let the ring reach posix_fallocate on the full tmpfs
-            shmloader.wire.shm.check_free = lambda needed, path="/dev/shm": None
+            from shmloader.wire import shm as wire_shm
+            wire_shm.check_free = lambda needed, path="/dev/shm": None
         loader = shmloader.DataLoader(Sized([300_000] * 8), batch_size=4, num_workers=2)
         try:
             list(loader)
