@@ -1,14 +1,14 @@
 /*
  * The slot layout as the C side reads and writes it: header field indices, a slot's
  * publication states, result statuses and regions, and the consumer's slot states. One
- * definition for every native/ file. shmloader/_layout.py describes the same layout for
+ * definition for every native/ file. shmloader/wire/layout.py describes the same layout for
  * Python and checks, at import, that it agrees with this one (the module constant LAYOUT:
  * every name below with its value), so a stale build cannot read other fields.
  */
 #ifndef SHMLOADER_LAYOUT_H
 #define SHMLOADER_LAYOUT_H
 
-/* Header fields (int64 each): shmloader/_layout.py's Field. */
+/* Header fields (int64 each): shmloader/wire/layout.py's Field. */
 #define F_STATE 0
 #define F_EPOCH 1
 #define F_SEQ 2
@@ -32,17 +32,17 @@
 #define STATE_IDLE 0
 #define STATE_DONE 1
 
-/* STATUS of a result: shmloader/_layout.py's Status. */
+/* STATUS of a result: shmloader/wire/layout.py's Status. */
 #define STATUS_OK 0
 #define STATUS_NEED_MEMORY 3
 
-/* REGION of a result: shmloader/_layout.py's Region. */
+/* REGION of a result: shmloader/wire/layout.py's Region. */
 #define REGION_SLOT 0
 #define REGION_OVERFLOW 1
 #define REGION_PIPE 2
 #define REGION_LEAVES 3 /* leaves in the overflow memory; skeleton, leaf table, state in the slot */
 
-/* A slot as the consumer sees it: shmloader/_slots.py's SlotState. */
+/* A slot as the consumer sees it: shmloader/main/scheduler.py's SlotState. */
 enum { SLOT_FREE, SLOT_IN_FLIGHT, SLOT_WAITING, SLOT_READY, SLOT_LENT, N_SLOT_STATES };
 
 /* Every name above with its value, for the module constant LAYOUT. */

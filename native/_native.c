@@ -32,7 +32,7 @@
 #define LEAF_ALIGN 64
 #define N_KINDS 2
 
-/* Item sizes indexed by dtype code; the order is fixed by shmloader/_layout.py. */
+/* Item sizes indexed by dtype code; the order is fixed by shmloader/wire/layout.py. */
 static const uint8_t ITEMSIZE[] = {
     1,  /* 0 bool */
     1,  /* 1 uint8 */
@@ -355,7 +355,7 @@ done:
     return out;
 }
 
-/* Indices into lend_lone's `lone` tuple (shmloader/_lease.py's lone_args). */
+/* Indices into lend_lone's `lone` tuple (shmloader/main/lease.py's lone_args). */
 enum { L_RING, L_HEADERS, L_DATA, L_CAP, L_SKELETON, L_REGION_FIELD, L_SLOT_REGION, L_TENSOR, L_NP_DTYPES,
        L_MAX_NDIM, L_NDARRAY, L_FROM_NUMPY, L_MAX_LENT, N_LONE };
 
@@ -582,7 +582,7 @@ static struct PyModuleDef module = {
     .m_methods = methods,
 };
 
-/* ITEMSIZES: the item size of every dtype code, for shmloader/_layout.py to check DTYPES against. */
+/* ITEMSIZES: the item size of every dtype code, for shmloader/wire/layout.py to check DTYPES against. */
 static int add_itemsizes(PyObject *m) {
     PyObject *t = PyTuple_New(N_CODES);
     if (t == NULL) return -1;
@@ -594,7 +594,7 @@ static int add_itemsizes(PyObject *m) {
     return PyModule_AddObject(m, "ITEMSIZES", t) < 0 ? (Py_DECREF(t), -1) : 0;
 }
 
-/* LAYOUT: native/_layout.h's names and values, for shmloader/_layout.py to check its own against. */
+/* LAYOUT: native/_layout.h's names and values, for shmloader/wire/layout.py to check its own against. */
 static int add_layout(PyObject *m) {
     PyObject *d = PyDict_New();
     if (d == NULL) return -1;

@@ -2,13 +2,13 @@
  * shmloader._native, part 4: the Scheduler — the state of every slot of the ring, the
  * epoch's tasks, and the consumer's per-batch step over them.
  *
- * The main process's iterator (shmloader/_consume.py) owns one. It is the one place slot
+ * The main process's iterator (shmloader/main/iterator.py) owns one. It is the one place slot
  * state changes: every transition below is written once, as a C function, and called both
  * by the method of its name (the general path: overflow, recovery, epochs, errors) and by
  * `step`, the per-batch path, which chains the ordinary ones and returns to Python at the
  * first thing that is not ordinary. There is no second copy of any transition.
  *
- * Slot states (native/_layout.h, shmloader/_slots.py's SlotState):
+ * Slot states (native/_layout.h, shmloader/main/scheduler.py's SlotState):
  *   FREE       no task; may be dispatched
  *   IN_FLIGHT  a worker owns it: task queued, being written, or published and not collected
  *   WAITING    its worker's batch did not fit; the worker waits for overflow memory
@@ -40,7 +40,7 @@
 
 #define NIL (-1)
 
-/* step's answers other than a slot (shmloader/_slots.py's Step). */
+/* step's answers other than a slot (shmloader/main/scheduler.py's Step). */
 enum { NOT_READY = -1, EV_NEED_MEMORY = -2, EV_PIPE = -3, EV_TORN = -4, EV_STALE = -5, EV_RESULT = -6 };
 #define FAILED (-100) /* (internal) an exception is set */
 
@@ -918,10 +918,13 @@ static PyObject *m_push(Scheduler *t, PyObject *const *args, Py_ssize_t nargs) {
     if (attached(t, &view, "push") < 0) return NULL;
     int64_t *queue = (int64_t *)((char *)view.buf + t->queue_off[w]);
     queue[t->tails[w] % t->queue_len] = entry; /* (the post below orders it before the worker's read) */
-    t->tails[w]++;
-    int failed = sem_post((sem_t *)((char *)view.buf + t->task_sem[w]));
+    int failed = sem_post((sem_t *)((char *)view.buf + t->task_sem[w])), error = errno;
+    if (!failed) t->tails[w]++; /* (not queued unless posted: the entry is rewritten by the next push) */
     PyBuffer_Release(&view);
-    if (failed) return PyErr_SetFromErrno(PyExc_OSError);
+    if (failed) {
+        errno = error;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
     Py_RETURN_NONE;
 }
 
@@ -933,11 +936,9 @@ PyDoc_STRVAR(post_index_doc, "post_index($self, slot, index, pickled, /)\n--\n\n
 
 static PyObject *m_post_index(Scheduler *t, PyObject *const *args, Py_ssize_t nargs) {
     Py_ssize_t slot;
-    if (nargs_are("post_index", nargs, 3) < 0 || slot_arg(t, args[0], &slot) < 0 ||
-        expect(t, slot, BIT(SLOT_IN_FLIGHT)) < 0)
-        return NULL;
-    int pickled = PyObject_IsTrue(args[2]);
-    if (pickled < 0) return NULL;
+    if (nargs_are("post_index", nargs, 3) < 0) return NULL;
+    int pickled = PyObject_IsTrue(args[2]); /* (first: it may run Python code, which must not find the slot checked) */
+    if (pickled < 0 || slot_arg(t, args[0], &slot) < 0 || expect(t, slot, BIT(SLOT_IN_FLIGHT)) < 0) return NULL;
     Py_buffer view;
     if (attached(t, &view, "post_index") < 0) return NULL;
     int code = post_as(t, &view, slot, args[1], pickled);
@@ -955,11 +956,14 @@ static PyObject *m_renew_queue(Scheduler *t, PyObject *arg) {
     if (worker_arg(t, arg, &w) < 0) return NULL;
     Py_buffer view;
     if (attached(t, &view, "renew_queue") < 0) return NULL;
-    int failed = sem_init((sem_t *)((char *)view.buf + t->task_sem[w]), 1, 0);
+    int failed = sem_init((sem_t *)((char *)view.buf + t->task_sem[w]), 1, 0), error = errno;
     memset((char *)view.buf + t->queue_off[w], 0, (size_t)t->queue_len * 8);
     t->tails[w] = 0;
     PyBuffer_Release(&view);
-    if (failed) return PyErr_SetFromErrno(PyExc_OSError);
+    if (failed) {
+        errno = error;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
     Py_RETURN_NONE;
 }
 
@@ -1226,7 +1230,7 @@ static PyObject *m_resize(Scheduler *t, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-/* The Python objects it holds (tasks' indices, the ring, its tails, unposted slots) may make
+/* The Python objects it holds (tasks' indices, the ring's mapping, unposted slots) may make
    cycles through a user's sampler or dataset: the collector sees them. */
 static int scheduler_traverse(Scheduler *t, visitproc visit, void *arg) {
     for (Py_ssize_t s = 0; t->index != NULL && s < t->n_slots; s++) Py_VISIT(t->index[s]);

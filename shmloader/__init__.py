@@ -40,22 +40,29 @@ if TYPE_CHECKING:
 
 # The training process's names are imported on first use: a worker process (spawn, forkserver)
 # imports shmloader.worker and this module, and none of shmloader.main
-# (tests/unit/test_package_layout.py). The loader's module comes with _install, which watches
+# (tests/unit/test_package_layout.py) unless the user's own module, imported again there to
+# find the dataset, asks for them. The loader's module comes with _install, which watches
 # the loaders it makes (a framework's torch rebuild of one keeps its options).
 _LAZY = {"install": "_install", "installed": "_install", "stats": "_install", "uninstall": "_install",
          "DataLoader": "_install", "SharedDict": "_share", "SharedList": "_share", "share": "_share",
          "LoaderStats": "_stats", "RingOccupancy": "_stats"}
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'shmloader' has no attribute {name!r}")
-    import importlib
+if not TYPE_CHECKING:  # (mypy sees the imports above, and no catch-all: a misspelt name is an error)
 
-    value = getattr(importlib.import_module(f"shmloader.{module}"), name)
-    globals()[name] = value
-    return value
+    def __getattr__(name: str) -> Any:
+        module = _LAZY.get(name)
+        if module is None:
+            raise AttributeError(f"module 'shmloader' has no attribute {name!r}")
+        import importlib
+
+        value = getattr(importlib.import_module(f"shmloader.{module}"), name)
+        globals()[name] = value
+        return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
 
 
 __all__ = [

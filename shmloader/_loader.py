@@ -253,3 +253,8 @@ class _InlineAsync:
             return next(self._it)
         except StopIteration:
             raise StopAsyncIteration from None
+
+
+# Its public home: a pickled loader is found as shmloader.DataLoader, which imports _install with
+# it (the created hooks), in whichever process unpickles it.
+DataLoader.__module__ = "shmloader"

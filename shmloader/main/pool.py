@@ -184,7 +184,10 @@ class WorkerPool:
         for wid, proc in enumerate(self.procs):
             if proc.exitcode is None:
                 if push is not None:
-                    push(wid, STOP_TASK)
+                    try:
+                        push(wid, STOP_TASK)
+                    except (OSError, RuntimeError):
+                        pass  # (no ring attached, or its semaphore failed: the message and the join below stop it)
                 try:
                     self.conns[wid].send(Stop())
                 except OSError:

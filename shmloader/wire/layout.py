@@ -108,7 +108,7 @@ class Status(enum.IntEnum):
 
 class Region(enum.IntEnum):
     SLOT = 0  # the slot's own data region
-    OVERFLOW = 1  # the overflow memory the consumer granted for this task (see _overflow.py)
+    OVERFLOW = 1  # the overflow memory the consumer granted for this task (see shmloader/main/overflow.py)
     PIPE = 2  # pickled over the worker's connection: memory_budget had no room while the caller held it
     LEAVES = 3  # the leaves in the overflow memory granted for this task; the rest (skeleton, leaf
     # table, dataset state) in the slot's own data region: a batch of whole pages costs just those
@@ -150,7 +150,7 @@ if (len(DTYPES) != len(_native.ITEMSIZES) or len(Kind) != _native.N_KINDS
         or any(dt is not None and dt.itemsize != size for dt, size in zip(DTYPES, _native.ITEMSIZES))):
     raise ImportError(
         f"shmloader._native's dtype table {_native.ITEMSIZES} (kinds: {_native.N_KINDS}) does not match "
-        f"_layout.DTYPES {tuple(dt and dt.itemsize for dt in DTYPES)} (kinds: {len(Kind)}): rebuild the extension"
+        f"wire.layout.DTYPES {tuple(dt and dt.itemsize for dt in DTYPES)} (kinds: {len(Kind)}): rebuild the extension"
     )
 
 

@@ -23,7 +23,7 @@ from shmloader import _native
 from shmloader.wire import shm as _shm
 from shmloader.wire.layout import DONE, N_COUNTERS, N_FIELDS, RingGeometry, Field
 
-# What Ring.post_task (and _native.post_task) returns.
+# What _native.post_task (and the scheduler's post_index) returns.
 POSTED, DOES_NOT_FIT, NOT_INTS = 1, 0, -1
 
 
@@ -118,10 +118,6 @@ class _Views:
     def take_ready(self, timeout: float) -> bool:
         """One token of the ready semaphore: at once (``timeout`` 0) or within ``timeout`` s."""
         return _native.sem_wait(self.mm, self.ready_sem, timeout)
-
-    def set_state(self, slot: int, state: int) -> None:
-        """Store ``slot``'s STATE with release ordering, after everything written before it."""
-        _native.store_release(self.mm, self.state_offsets[slot], state)
 
     def want_doorbell(self, on: bool) -> None:
         """Ask workers to write the eventfd doorbell when they publish (an ``async for`` is about

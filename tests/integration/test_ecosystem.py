@@ -92,7 +92,7 @@ def test_lightning_ddp_spawn_fits_from_a_shmloader_loader(tmp_path: Any) -> None
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank.{r}").read_text()) for r in (0, 1)]
     for rank in ranks:
-        assert rank["class"] == "shmloader._loader.DataLoader" and rank["ring_batches"] == 8
+        assert rank["class"] == "shmloader.DataLoader" and rank["ring_batches"] == 8
     assert not set(ranks[0]["seen"]) & set(ranks[1]["seen"])
     assert sorted(ranks[0]["seen"] + ranks[1]["seen"]) == list(range(64))
 
