@@ -905,6 +905,14 @@ static int attached(Scheduler *t, Py_buffer *view, const char *what) {
     return PyObject_GetBuffer(t->ring, view, PyBUF_WRITABLE);
 }
 
+/* The ring's view released; None, or OSError from `error` when a semaphore call failed. */
+static PyObject *released(Py_buffer *view, int failed, int error) {
+    PyBuffer_Release(view);
+    if (!failed) Py_RETURN_NONE;
+    errno = error;
+    return PyErr_SetFromErrno(PyExc_OSError);
+}
+
 PyDoc_STRVAR(push_doc, "push($self, worker, entry, /)\n--\n\n"
 "Queue `entry` (a slot, or STOP_TASK, RESIZE_TASK) for `worker` on the attached ring and wake it\n"
 "(its task semaphore).");
@@ -920,12 +928,7 @@ static PyObject *m_push(Scheduler *t, PyObject *const *args, Py_ssize_t nargs) {
     queue[t->tails[w] % t->queue_len] = entry; /* (the post below orders it before the worker's read) */
     int failed = sem_post((sem_t *)((char *)view.buf + t->task_sem[w])), error = errno;
     if (!failed) t->tails[w]++; /* (not queued unless posted: the entry is rewritten by the next push) */
-    PyBuffer_Release(&view);
-    if (failed) {
-        errno = error;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    Py_RETURN_NONE;
+    return released(&view, failed, error);
 }
 
 PyDoc_STRVAR(post_index_doc, "post_index($self, slot, index, pickled, /)\n--\n\n"
@@ -959,12 +962,7 @@ static PyObject *m_renew_queue(Scheduler *t, PyObject *arg) {
     int failed = sem_init((sem_t *)((char *)view.buf + t->task_sem[w]), 1, 0), error = errno;
     memset((char *)view.buf + t->queue_off[w], 0, (size_t)t->queue_len * 8);
     t->tails[w] = 0;
-    PyBuffer_Release(&view);
-    if (failed) {
-        errno = error;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    Py_RETURN_NONE;
+    return released(&view, failed, error);
 }
 
 PyDoc_STRVAR(set_idle_doc, "set_idle($self, slot, /)\n--\n\n"
