@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import pickle
-import signal
 import time
 import warnings
 import weakref
@@ -45,8 +44,8 @@ from shmloader.main.overflow import OverflowBroker
 from shmloader.worker.produce import worker_configs
 from shmloader.wire.ring import Ring
 from shmloader.main.scheduler import Scheduler, Step
-from shmloader._stats import Counters, RingOccupancy, occupancy, worker_busy
-from shmloader.main.wait import COPY, READY, Waiter
+from shmloader._stats import Counters, RingOccupancy, occupancy
+from shmloader.main.wait import COPY, READY, Waiter, interrupted
 
 PARENT_CHECK_S = 0.5  # how often an idle worker checks that this process lives
 # Private answers of the iterator's steps, never a user's value (a batch may be None, 0, [] ...)
@@ -54,19 +53,6 @@ _NOTHING = object()  # nothing ready yet
 _END = object()  # the epoch has ended
 _GROW = object()  # the ring must grow before anything else is dispatched
 _NOT_READY = int(Step.NOT_READY)
-
-def _interrupted() -> bool:
-    """Whether the running task is being cancelled for Ctrl-C: ``asyncio.run`` (and
-    ``uvloop.run``, through ``asyncio.Runner``) answers SIGINT by cancelling the main task, and
-    raises KeyboardInterrupt once it has ended. Seen through the handler it installed (its
-    count of interrupts); any other cancellation (a timeout around ``anext``) is not one."""
-    runner_type = getattr(asyncio, "Runner", None)  # (3.11: on 3.10 asyncio.run raises KeyboardInterrupt itself)
-    if runner_type is None:
-        return False
-    handler = signal.getsignal(signal.SIGINT)
-    runner = getattr(getattr(handler, "func", None), "__self__", None)
-    return isinstance(runner, runner_type) and getattr(runner, "_interrupt_count", 0) > 0
-
 
 class RingIterator(_BaseDataLoaderIter):
     """Iterator over a DataLoader with ``num_workers > 0`` (sync and async)."""
@@ -381,7 +367,7 @@ class RingIterator(_BaseDataLoaderIter):
         except asyncio.CancelledError:
             # At a wait: what it waited for is kept (start-up, growth, ready slots), and the next
             # anext goes on. But Ctrl-C stops the workers, as it does a sync loop's.
-            if _interrupted():
+            if interrupted():
                 self._failed(KeyboardInterrupt())
             raise
         except BaseException as exc:
@@ -436,10 +422,7 @@ class RingIterator(_BaseDataLoaderIter):
                          0 if stager is None else len(stager.copying))
 
     def worker_busy(self) -> tuple[float, ...]:
-        life = self._life
-        if life.busy is not None:
-            return life.busy  # (stopped: the ring's counters went back with its control pages)
-        return () if life.ring is None else worker_busy(life.ring.counters)
+        return self._life.worker_busy()
 
     # ----------------------------------------------------------- shutdown
     def _shutdown_workers(self) -> None:

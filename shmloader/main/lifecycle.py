@@ -15,7 +15,7 @@ from __future__ import annotations
 import atexit
 import functools
 import weakref
-from typing import Any, Callable, Generator
+from typing import Any, Callable, Generator, NamedTuple
 
 import torch
 
@@ -34,6 +34,16 @@ from shmloader._stats import Counters, worker_busy
 from shmloader.worker.produce import WorkerConfig
 
 Steps = Generator[tuple[Any, ...], None, Any]
+
+
+class Probing(NamedTuple):
+    """The first batch's probe, sent to ``worker`` (then the process ``proc``) for ``epoch``."""
+
+    worker: int
+    seq: int
+    index: Any
+    proc: Any
+    epoch: int
 live: weakref.WeakSet[Any] = weakref.WeakSet()  # iterators whose workers may run (RingIterator adds itself)
 
 
@@ -80,10 +90,10 @@ class Lifecycle:
         self.started = False  # the ring exists and every worker has attached to it once
         self.stopped = False
         self.attaching: dict[int, Any] = {}  # workers sent a new ring, not yet attached: worker -> its process
-        # The first batch's probe, sent and not answered: (worker, seq, index, the process asked,
-        # epoch). Kept here so that a start-up whose wait was cancelled (async for) or timed out
-        # goes on where it was; a probe of an epoch left meanwhile is answered and dropped.
-        self.probing: tuple[int, int, Any, Any, int] | None = None
+        # The first batch's probe, sent and not answered. Kept here so that a start-up whose wait
+        # was cancelled (async for) or timed out goes on where it was; a probe of an epoch left
+        # meanwhile is answered and dropped.
+        self.probing: Probing | None = None
         self.busy: tuple[float, ...] | None = None  # each worker's busy share when they stopped
 
     # -------------------------------------------------------------- start
@@ -114,11 +124,11 @@ class Lifecycle:
         sched = self.sched
         first = batch_bytes
         probe: tuple[int, int, Any] | None = None
-        if self.probing is not None and self.probing[4] != sched.epoch:
+        if self.probing is not None and self.probing.epoch != sched.epoch:
             yield from self._drop_probe(check)
         while slot_bytes is None and first is None:
             if self.probing is not None:  # asked before this start was cancelled: its answer is awaited
-                wid, seq, index, _, _ = self.probing
+                wid, seq, index = self.probing.worker, self.probing.seq, self.probing.index
             else:
                 task = sched.next_task(sampler)
                 if task is None:
@@ -171,23 +181,18 @@ class Lifecycle:
         pool = self.pool
         while True:
             proc = pool.procs[wid]
-            if self.probing is None or self.probing[3] is not proc:  # (a replacement is asked anew)
+            if self.probing is None or self.probing.proc is not proc:  # (a replacement is asked anew)
                 pool.send(wid, Probe(self.sched.epoch, seq, as_list(index)), dead_ok=True)
-                self.probing = (wid, seq, index, proc, self.sched.epoch)
-            while pool.procs[wid] is proc and not pool.conns[wid].poll():
-                check()
-                if pool.procs[wid] is proc:
-                    yield ("conns", [wid])
-            if pool.procs[wid] is proc:
-                reply = pool.recv(wid)
-                if reply is not None:
-                    self.probing = None
-                    if not isinstance(reply, Probed):
-                        self.shutdown()
-                        raise ShmLoaderError(f"DataLoader worker {wid} answered {reply!r:.200} to a probe, expected "
-                                             "Probed(status, needed, error): the setup protocol is broken")
-                    return reply
-                check()  # it died as it answered: replaced here, then asked again
+                self.probing = Probing(wid, seq, index, proc, self.sched.epoch)
+            reply = yield from self._answer(wid, proc, check)
+            if reply is not None:
+                self.probing = None
+                if not isinstance(reply, Probed):
+                    self.shutdown()
+                    raise ShmLoaderError(f"DataLoader worker {wid} answered {reply!r:.200} to a probe, expected "
+                                         "Probed(status, needed, error): the setup protocol is broken")
+                return reply
+            check()  # it died before or as it answered: replaced here, then asked again
 
     def _drop_probe(self, check: Callable[[], None]) -> Steps:
         """The probe of an epoch left before it answered (persistent workers: a timeout or a
@@ -195,14 +200,18 @@ class Lifecycle:
         the connection carries the new probe's next. The worker keeps only its latest probe's
         batch; a replacement of it was never asked."""
         assert self.probing is not None
-        wid, proc, pool = self.probing[0], self.probing[3], self.pool
+        yield from self._answer(self.probing.worker, self.probing.proc, check)  # (None: it died first)
+        self.probing = None
+
+    def _answer(self, wid: int, proc: Any, check: Callable[[], None]) -> Steps:
+        """Worker ``wid``'s next message, while ``proc`` is its process; None once it died (a
+        death ``check`` replaces it for)."""
+        pool = self.pool
         while pool.procs[wid] is proc and not pool.conns[wid].poll():
             check()
             if pool.procs[wid] is proc:
                 yield ("conns", [wid])
-        if pool.procs[wid] is proc:
-            pool.recv(wid)  # (None: it died as it answered)
-        self.probing = None
+        return pool.recv(wid) if pool.procs[wid] is proc else None
 
     def await_attached(self, check: Callable[[], None]) -> Steps:
         """Wait until every worker sent a new ring (``attaching``: worker -> its process then)
@@ -360,6 +369,13 @@ class Lifecycle:
         or too large for its slot): pickled into the slot, or over the worker's connection."""
         for slot in self.sched.take_unposted():
             self.post(slot)
+
+    def worker_busy(self) -> tuple[float, ...]:
+        """Each worker's busy share: read from the ring's counters, or as they were when the
+        workers stopped (the counters' pages went back with the ring's control region)."""
+        if self.busy is not None:
+            return self.busy
+        return () if self.ring is None else worker_busy(self.ring.counters)
 
     def shutdown(self) -> None:
         """Stop the workers, close the ring and the doorbell. Idempotent."""

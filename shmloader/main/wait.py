@@ -18,6 +18,7 @@ means "look for DONE slots"). Worker deaths are noticed within ``CHECK_S`` eithe
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from multiprocessing import connection as mp_connection
 from typing import Any, Callable
@@ -140,3 +141,16 @@ class Waiter:
             check()
             await asyncio.sleep(delay)
             delay = min(2 * delay, 2e-3)
+
+
+def interrupted() -> bool:
+    """Whether the running task is being cancelled for Ctrl-C: ``asyncio.run`` (and
+    ``uvloop.run``, through ``asyncio.Runner``) answers SIGINT by cancelling the main task, and
+    raises KeyboardInterrupt once it has ended. Seen through the handler it installed (its
+    count of interrupts); any other cancellation (a timeout around ``anext``) is not one."""
+    runner_type = getattr(asyncio, "Runner", None)  # (3.11: on 3.10 asyncio.run raises KeyboardInterrupt itself)
+    if runner_type is None:
+        return False
+    handler = signal.getsignal(signal.SIGINT)
+    runner = getattr(getattr(handler, "func", None), "__self__", None)
+    return isinstance(runner, runner_type) and getattr(runner, "_interrupt_count", 0) > 0

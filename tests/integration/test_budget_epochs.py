@@ -5,6 +5,7 @@ start of a later epoch, for batches that fit a slot."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -20,8 +21,10 @@ WORKERS, PREFETCH = 2, 2
 SIZES = [65536] * 24  # float32: batches of 4 are 1 MiB, 6 an epoch
 
 
+@functools.cache
 def data_bytes() -> int:
-    """A slot's data region for these batches, as the probe measures them."""
+    """A slot's data region for these batches, as the probe measures them (asked once, when the
+    first test needs it: no worker starts while tests are collected)."""
     it = iter(shmloader.DataLoader(Sized(SIZES), batch_size=4, num_workers=WORKERS))
     next(it)
     assert it.ring is not None
@@ -30,16 +33,13 @@ def data_bytes() -> int:
     return size
 
 
-def budgets() -> list[tuple[str, int]]:
+SHAPES = [(slots, room) for slots in range(WORKERS, WORKERS * PREFETCH + 2) for room in (False, True)]
+
+
+def budget(slots: int, room: bool) -> int:
+    """A ring of ``slots`` slots, and with ``room`` one batch beside it."""
     size = data_bytes()
-    out = []
-    for slots in range(WORKERS, WORKERS * PREFETCH + 2):
-        ring = RingGeometry(WORKERS, slots, size).total_bytes
-        out += [(f"{slots} slots", ring), (f"{slots} slots and a batch", ring + size)]
-    return out
-
-
-BUDGETS = budgets()
+    return RingGeometry(WORKERS, slots, size).total_bytes + (size if room else 0)
 
 
 def run(budget: int, pattern: str, persistent: bool) -> list[list[Any]]:
@@ -65,17 +65,18 @@ def run(budget: int, pattern: str, persistent: bool) -> list[list[Any]]:
     return epochs
 
 
-@pytest.mark.parametrize("budget", [b for _, b in BUDGETS], ids=[name for name, _ in BUDGETS])
+@pytest.mark.parametrize("slots, room", SHAPES,
+                         ids=[f"{slots} slots" + (" and a batch" if room else "") for slots, room in SHAPES])
 @pytest.mark.parametrize("pattern, persistent", [("loop", False), ("loop", True), ("replay", False), ("last2", False)])
-def test_every_epoch_completes_under_budgets_from_one_slot_per_worker_up(budget: int, pattern: str,
+def test_every_epoch_completes_under_budgets_from_one_slot_per_worker_up(slots: int, room: bool, pattern: str,
                                                                           persistent: bool) -> None:
     want = list(tud.DataLoader(Sized(SIZES), batch_size=4))
-    for got in run(budget, pattern, persistent):
+    for got in run(budget(slots, room), pattern, persistent):
         same(got, want)
 
 
 def test_a_budget_below_one_slot_per_worker_is_refused_before_any_batch() -> None:
-    smallest = BUDGETS[0][1]
+    smallest = budget(WORKERS, False)
     loader = shmloader.DataLoader(Sized(SIZES), batch_size=4, num_workers=WORKERS, memory_budget=smallest - 1)
     it = iter(loader)
     with pytest.raises(shmloader.MemoryBudgetError,

@@ -333,6 +333,25 @@ def test_timeout() -> None:
         list(loader)
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_after_a_timeout_the_iterator_goes_on_as_torchs_does(workers: int) -> None:
+    # The same sequence through both loaders: next() times out while the dataset stalls, the
+    # dataset moves on, and the rest of the epoch comes from the same iterator.
+    import multiprocessing
+
+    def after_a_timeout(cls: Any) -> tuple[str, list[list[int]]]:
+        gate = multiprocessing.get_context("fork").Event()
+        it = iter(cls(Gated(6, gate), batch_size=2, num_workers=workers, timeout=0.3))
+        with pytest.raises(RuntimeError) as raised:
+            next(it)
+        gate.set()
+        rest = [b.flatten().tolist() for b in it]
+        del it
+        return str(raised.value), rest
+
+    assert after_a_timeout(shmloader.DataLoader) == after_a_timeout(torch.utils.data.DataLoader)
+
+
 def test_a_killed_worker_is_replaced_and_its_batches_still_arrive_once_in_order() -> None:
     loader = shmloader.DataLoader(IndexPid(), batch_size=1, num_workers=2)
     it = iter(loader)
