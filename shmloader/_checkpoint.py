@@ -1,74 +1,72 @@
-"""Checkpoint and resume, with the semantics of torchdata's ``StatefulDataLoader``.
+"""Checkpoint and resume with the semantics, and the state layout, of torchdata's ``StatefulDataLoader``.
 
 A state taken after k batches of an epoch, loaded into a fresh loader built on the same
-dataset and arguments, yields exactly the remaining batches of that epoch and then the
-following epochs as the uninterrupted run would.
+dataset and arguments, yields exactly the rest of that epoch and then the following epochs
+as the uninterrupted run would. A state taken after the epoch ended (its StopIteration
+raised) resumes into the next epoch; one taken inside the loop after the last batch resumes
+into the empty rest of that epoch, as torchdata's does.
 
-What is recorded per epoch, when its iterator starts: the state of the RNG that drives
-sampling (``generator``, or torch's global RNG when there is none), whether the epoch
-started a new iterator (and so drew a new base seed for the workers) or reused the
-persistent one, and that base seed. Taking a state copies those and counts the batches
-yielded: no pause, no message to the workers.
+The layout is torchdata's (``_snapshot``: ``_snapshot_step``, ``_last_yielded_worker_id``,
+``_main_snapshot``, ``_worker_snapshots``; with ``num_workers=0`` its single-process keys), plus
+``_shmloader``: the epoch, and the RNG positions that let shmloader replay torch's own
+samplers exactly. Everything shmloader writes is what JSON holds; what the dataset, its
+iterator and the sampler return from their own ``state_dict()`` is stored as they made it.
 
-Resuming restores the epoch's RNG, rebuilds the sampler's iterator and advances it by k
-batches of indices: no sample is loaded again. A loader's ``generator`` is its own and is
-left where these draws leave it. torch's global RNG is the program's: a framework (or the
-user) restores it with its checkpoint, so the draws are made from a recorded copy and the
-global RNG is left as the resume found it; the following epochs draw from it as torch's
-loader does. An IterableDataset with ``state_dict()`` and
-``load_state_dict()`` is resumed from its own state: every worker stores its dataset's
-state with each batch it writes, the loader's state keeps each worker's state after its
-last delivered batch (and where the round-robin was), and the resumed workers load it
-before their first ``iter()``. Without them, its first k batches are produced again and
-dropped (the documented fallback; exact when the dataset yields the same items each
-epoch). Exactness needs ``in_order=True``: with ``in_order=False`` the first k
-batches yielded are not necessarily the first k of the sampler.
+NOTE [ What a resume restores, in order ]
+1. The sampling RNG (``generator``, or torch's global RNG) goes back to where the epoch began,
+   so the iterator's base seed and torch's samplers draw what they drew then.
+2. The sampler is put where the snapshot was: a stateful index sampler or its iterator
+   (torchdata's, or one with ``state_dict()``/``load_state_dict()``) loads its own state;
+   otherwise its first k batches of indices are drawn and dropped (nothing is loaded).
+3. The RNG is set to where it was when the state was taken (``rng_now``): draws made after the
+   state (the next epoch's shuffle, the program's own) are the uninterrupted run's.
+4. Datasets: every worker starts from its snapshot (torchdata's worker snapshot: the dataset's
+   ``state_dict()``, and for an IterableDataset its iterator's and whether its shard ended),
+   loaded in torchdata's order: ``dataset.load_state_dict``, ``iter(dataset)``, then the
+   iterator's ``load_state_dict``. Round-robin goes on after the last worker that delivered.
+5. ``snapshot_every_n_steps=n``: the snapshot is the one at the latest multiple of n batches;
+   the batches after it are produced again and dropped. An IterableDataset with no state of
+   its own (nor its iterator) replays all of them: exact when its shards are deterministic.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import itertools
 import pickle
 import weakref
-from typing import Any, Callable
+from collections import deque
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.data.dataloader import _DatasetKind
 
-VERSION = 1
+from shmloader._errors import ShmLoaderError
+from shmloader.worker.produce import has_state
+
+VERSION = 2
+OWN = "_shmloader"  # shmloader's part of a state dict
+_SNAPSHOT, _MAIN, _WORKERS = "_snapshot", "_main_snapshot", "_worker_snapshots"
+_NO_SNAPSHOT = {"dataset_state": None, "fetcher_state": None}
 
 
-@dataclasses.dataclass
-class EpochStart:
-    """Recorded when an epoch's iterator starts."""
-
-    epoch: int
-    rng: torch.Tensor
-    fresh: bool  # a new iterator (new base seed) rather than the persistent one reset
-    base_seed: int | None = None
+class StateMismatchError(ShmLoaderError, ValueError, AssertionError):
+    """A state dict that this loader cannot resume from (another ``num_workers``, another kind
+    of loader). Also an AssertionError, as torchdata raises on a worker-count mismatch."""
 
 
-@dataclasses.dataclass(frozen=True)
-class IterableResume:
-    """What the workers of a resumed IterableDataset epoch start from."""
-
-    dataset_states: dict[int, bytes]  # worker -> pickled state_dict() after its last delivered batch
-    last_worker: int | None  # the worker of the last delivered batch (round-robin continues after it)
-    active: tuple[bool, ...]  # workers whose shard was not yet exhausted
-
-    @classmethod
-    def from_state(cls, state: dict[str, Any]) -> IterableResume:
-        """A worker whose shard ended within its last delivered batch gets no more tasks, as
-        in the uninterrupted run (its next task would have come back exhausted)."""
-        states = state["dataset_states"]
-        active = tuple(
-            bool(on) and not (w in states and pickle.loads(states[w])["ended"]) for w, on in enumerate(state["active"])
-        )
-        return cls(states, state["last_worker"], active)
+def state_of(obj: Any) -> Any:
+    """``obj.state_dict()`` where it has the Stateful protocol, else None (torchdata's rule)."""
+    return obj.state_dict() if has_state(obj) else None
 
 
-def has_state(dataset: Any) -> bool:
-    return callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
+def encode_rng(state: torch.Tensor) -> str:
+    return base64.b64encode(state.numpy().tobytes()).decode("ascii")
+
+
+def decode_rng(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
 
 
 def rng_state(generator: torch.Generator | None) -> torch.Tensor:
@@ -85,81 +83,235 @@ def set_rng_state(generator: torch.Generator | None, state: torch.Tensor) -> Non
         torch.set_rng_state(state)
 
 
+@dataclasses.dataclass
+class EpochStart:
+    """Recorded when an epoch's iterator starts."""
+
+    epoch: int
+    rng: torch.Tensor
+    fresh: bool  # a new iterator (new base seed) rather than the persistent one reset
+    base_seed: int | None = None
+
+
 @dataclasses.dataclass(frozen=True)
 class Progress:
-    """How far an epoch's iterator got: read from it while it lives, kept when it dies (a
-    loop left with ``break`` drops a non-persistent iterator; its state is still wanted)."""
+    """Where an epoch's iterator is, or was at a snapshot. Read from it while it lives, kept
+    when it dies (a loop left with ``break`` drops a non-persistent iterator)."""
 
-    yielded: int  # batches yielded, and those that raised (consumed too)
+    consumed: int  # batches yielded, and those that raised (consumed too)
+    finished: bool  # its StopIteration was raised
+    pulled: int  # batches of indices taken from the sampler so far
+    workers: dict[int, bytes]  # worker -> its pickled snapshot (absent: none yet)
+    last_worker: int | None  # the worker of the last batch consumed
+    sampler_states: tuple[Any, Any] = (None, None)  # a stateful sampler's (iterator, index sampler) states
+    below: int = -1  # in_order=False: every task below it consumed (-1: consumed)
+    ahead: tuple[int, ...] = ()  # in_order=False: the tasks consumed above ``below``
+    in_process: tuple[Any, Any] = (None, None)  # num_workers=0: (dataset_state, fetcher_state)
+
+
+class Snapshots:
+    """``snapshot_every_n_steps``: an iterator's progress at the latest multiple of n batches (and
+    at the epoch's start); with n == 1, its progress now: nothing is kept. It does not hold the
+    iterator (a dropped one must die at once: it shuts its workers down)."""
+
+    __slots__ = ("every", "taken")
+
+    def __init__(self, every: int | None, it: Any) -> None:
+        if every is not None and (not isinstance(every, int) or every < 0):
+            raise ValueError(f"snapshot_every_n_steps should be a non-negative int or None, but got {every!r}")
+        self.every = every or 0
+        self.taken: Progress | None = None if self.every == 1 else it.progress()
+
+    def stepped(self, it: Any, consumed: int) -> None:
+        if self.every > 1 and consumed % self.every == 0:
+            self.taken = it.progress()
+
+    def checkpoint(self, it: Any) -> tuple[Progress, int]:
+        live: Progress = it.progress()
+        if self.taken is None or live.finished:
+            return live, 0
+        return self.taken, live.consumed - self.taken.consumed
+
+
+class SamplerPulls:
+    """A stateful index sampler's iterator, remembering its state after each of the last pulls,
+    so that a state taken after k batches has the sampler as it was after the k-th pull (the
+    workers prefetch: the sampler is ahead of the consumer)."""
+
+    def __init__(self, index_sampler: Any, it: Iterator[Any], pulled: int, keep: int) -> None:
+        self.index_sampler = index_sampler
+        self.it = it
+        self.pulled = pulled
+        self.states: deque[tuple[int, Any, Any]] = deque(maxlen=keep)
+        self.states.append((pulled, state_of(it), state_of(index_sampler)))
+
+    def __iter__(self) -> SamplerPulls:
+        return self
+
+    def __next__(self) -> Any:
+        index = next(self.it)
+        self.pulled += 1
+        self.states.append((self.pulled, state_of(self.it), state_of(self.index_sampler)))
+        return index
+
+    def at(self, pulled: int) -> tuple[Any, Any]:
+        for n, it_state, sampler_state in self.states:
+            if n == pulled:
+                return it_state, sampler_state
+        raise ShmLoaderError(f"the sampler's state after {pulled} batches is no longer kept "
+                             f"(kept: {[n for n, _, _ in self.states]})")
+
+
+def sampler_states(it: Any, consumed: int) -> tuple[Any, Any]:
+    pulls = it._sampler_iter
+    return pulls.at(consumed) if isinstance(pulls, SamplerPulls) else (None, None)
+
+
+def stateful_sampler(index_sampler: Any, sampler_iter: Any) -> bool:
+    return has_state(index_sampler) or has_state(sampler_iter)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A loaded state, read once: what the next ``iter(loader)`` resumes from."""
+
+    epoch: int
+    fresh: bool
+    base_seed: int | None
+    rng_start: torch.Tensor | None
+    rng_now: torch.Tensor | None
     finished: bool
-    iterable: dict[str, Any] | None  # an IterableDataset's own state, where it has one
+    num_workers: int
+    step: int  # batches consumed at the snapshot
+    since: int  # consumed after it: produced again and dropped
+    pulled: int  # batches of indices the sampler had given when the state was taken
+    below: int  # map-style: the sampler's batches to skip
+    ahead: tuple[int, ...]  # in_order=False: tasks above ``below`` already consumed
+    sampler_states: tuple[Any, Any]
+    workers: dict[int, bytes]  # worker -> pickled snapshot, for its config
+    last_worker: int | None
+    in_process: tuple[Any, Any]
 
     @classmethod
-    def of(cls, it: Any, dataset: Any) -> Progress:
-        iterable = None
-        ring_progress = getattr(it, "progress", None)
-        if ring_progress is not None:  # a ring iterator says: consumed, and its workers' dataset states
-            yielded, shards = ring_progress()
-            iterable = shards if has_state(dataset) else None
-        else:  # torch's in-process iterator
-            yielded = int(it._num_yielded)
-            if has_state(dataset):  # the dataset is exactly where the yielded batches left it
-                ended = bool(getattr(getattr(it, "_dataset_fetcher", None), "ended", False))
-                iterable = {"dataset_states": {0: pickle.dumps({"ended": ended, "state": dataset.state_dict()})},
-                            "last_worker": None, "active": [True]}
-        try:
-            finished = yielded >= len(it)
-        except TypeError:  # an IterableDataset without __len__
-            finished = False
-        return cls(yielded, finished, iterable)
+    def of(cls, state: dict[str, Any]) -> Plan:
+        own = state.get(OWN) or {}
+        if own.get("version", VERSION) != VERSION:
+            raise ValueError(f"state dict version {own['version']} is not supported (this shmloader writes {VERSION})")
+        rng = {k: None if own.get(k) is None else decode_rng(own[k]) for k in ("rng_start", "rng_now")}
+        finished = bool(state.get("_iterator_finished", False))
+        if _SNAPSHOT in state:
+            snap = state[_SNAPSHOT]
+            main = snap[_MAIN]
+            workers = {int(key.rsplit("_", 1)[1]): pickle.dumps({"dataset_state": sd.get("dataset_state"),
+                                                                  "fetcher_state": sd.get("fetcher_state")})
+                       for key, sd in snap[_WORKERS].items() if sd and holds_position(sd)}
+            step, num_workers, last = int(snap["_snapshot_step"]), int(main["_num_workers"]), snap["_last_yielded_worker_id"]
+            in_process: tuple[Any, Any] = (None, None)
+            since = int(state.get("_steps_since_snapshot", 0))
+        elif "_num_yielded" in state:
+            main, workers, last, num_workers = state, {}, None, 0
+            step, since = int(state["_num_yielded"]), 0
+            in_process = (state.get("dataset_state"), state.get("fetcher_state"))
+        else:
+            hint = ""
+            if {"epoch", "yielded", "rng"} <= set(state):
+                hint = " (this one was written by shmloader before 0.2, whose states do not carry over)"
+            raise ValueError("not a StatefulDataLoader state dict: expected torchdata's keys "
+                             f"('_snapshot', or '_num_yielded' for num_workers=0){hint}")
+        return cls(
+            epoch=int(own.get("epoch", 0)), fresh=bool(own.get("fresh", True)),
+            base_seed=main.get("_base_seed"), rng_start=rng["rng_start"], rng_now=rng["rng_now"],
+            finished=finished, num_workers=num_workers, step=step, since=since,
+            pulled=int(own.get("pulled", main.get("_sampler_iter_yielded", step))),
+            below=int(own.get("below", main.get("_sampler_iter_yielded", step))),
+            ahead=tuple(own.get("ahead", ())),
+            sampler_states=(main.get("_sampler_iter_state"), main.get("_index_sampler_state")),
+            workers=workers, last_worker=None if last is None else int(last), in_process=in_process,
+        )
+
+    def worker_states(self) -> tuple[dict[int, bytes], bool]:
+        """What the workers of the resumed iterator start from, and whether it was taken after its
+        epoch ended (they then load it and begin the next one)."""
+        return self.workers, self.finished
+
+    def active(self, num_workers: int) -> list[bool]:
+        """Workers whose shard goes on: not those whose snapshot says it ended."""
+        if self.finished:
+            return [True] * num_workers
+        return [not (w in self.workers and _ended(self.workers[w])) for w in range(num_workers)]
 
 
-def make_state(start: EpochStart | None, progress: Progress | None, generator: torch.Generator | None,
-               persistent: bool) -> dict[str, Any]:
-    """The state dict for a loader whose current epoch began at ``start``."""
-    # "started": the epoch's iterator exists, so its draws (base seed, sampler) are made.
-    if start is None or progress is None:  # nothing iterated yet
-        return {"version": VERSION, "epoch": 0, "yielded": 0, "rng": rng_state(generator),
-                "fresh": True, "base_seed": None, "iterable": None, "started": False}
-    if progress.finished:  # the next iter() starts the next epoch from the RNG as it is then
-        return {"version": VERSION, "epoch": start.epoch + 1, "yielded": 0, "rng": rng_state(generator),
-                "fresh": not persistent, "base_seed": start.base_seed, "iterable": None, "started": False}
-    return {"version": VERSION, "epoch": start.epoch, "yielded": progress.yielded, "rng": start.rng.clone(),
-            "fresh": start.fresh, "base_seed": start.base_seed, "iterable": progress.iterable, "started": True}
+def holds_position(snapshot: dict[str, Any]) -> bool:
+    """Whether a worker snapshot holds a position: the dataset's state, or its iterator's."""
+    fetcher = snapshot.get("fetcher_state")
+    return snapshot.get("dataset_state") is not None or bool(fetcher and fetcher.get("dataset_iter_state") is not None)
 
 
-def check_state(state: dict[str, Any]) -> None:
-    keys = {"version", "epoch", "yielded", "rng", "fresh", "base_seed", "iterable"}
-    if not isinstance(state, dict) or not keys <= set(state):
-        hint = ""
-        if isinstance(state, dict) and "_snapshot" in state:
-            hint = (" (this one is torchdata's StatefulDataLoader state, taken by torchdata's own iterator: "
-                    "resume it without shmloader.install(stateful_dataloader=True), or take the state under it)")
-        raise ValueError(f"not a shmloader DataLoader state dict: expected the keys {sorted(keys)}{hint}")
-    if state["version"] != VERSION:
-        raise ValueError(f"state dict version {state['version']} is not supported (this shmloader writes {VERSION})")
+def _ended(snapshot: bytes) -> bool:
+    fetcher = pickle.loads(snapshot)["fetcher_state"]
+    return bool(fetcher and fetcher["fetcher_ended"])
 
 
-def fast_forward(it: Any, k: int, iterable: bool) -> None:
-    """Advance a new epoch's iterator past its first ``k`` batches."""
-    if k <= 0:
-        return
-    if iterable:
-        for _ in range(k):
-            next(it)
-        return
-    skip = getattr(it, "skip", None)
-    if skip is not None:  # a ring iterator
-        skip(k)
-        return
-    for _ in range(k):  # torch's in-process iterator
-        next(it._sampler_iter)
-    it._num_yielded = k
+def position(it: Any, plan: Plan, iterable: bool, rng: Callable[[], None]) -> None:
+    """Put a resumed epoch's new iterator where ``plan``'s snapshot was (see the NOTE, steps 2-3):
+    its sampler, then the RNG (``rng``), then how many batches it has yielded."""
+    if not iterable:
+        index_sampler = it._index_sampler
+        sampler_iter = it._sampler_iter
+        inner = sampler_iter.it if isinstance(sampler_iter, SamplerPulls) else sampler_iter
+        iter_state, sampler_state = plan.sampler_states
+        if stateful_sampler(index_sampler, inner) and (iter_state is not None or sampler_state is not None):
+            if sampler_state is not None and has_state(index_sampler):
+                index_sampler.load_state_dict(sampler_state)
+                inner = iter(index_sampler)
+            if iter_state is not None and has_state(inner):
+                inner.load_state_dict(iter_state)
+        else:
+            for _ in range(plan.below):
+                if next(inner, _DONE) is _DONE:
+                    break
+            if plan.pulled > plan.below:  # the sampler had drawn ahead (its seed, for torch's): so does this one
+                first = next(inner, _DONE)
+                if first is not _DONE:
+                    inner = itertools.chain((first,), inner)
+        if plan.ahead:
+            inner = _skipping(inner, plan.below, set(plan.ahead))
+        if isinstance(sampler_iter, SamplerPulls):
+            sampler_iter.it, sampler_iter.pulled = inner, plan.step
+            sampler_iter.states.clear()
+            sampler_iter.states.append((plan.step, state_of(inner), state_of(index_sampler)))
+        else:
+            it._sampler_iter = inner
+    rng()
+    it._num_yielded = plan.step if plan_keeps_position(plan, it._dataset, iterable) else 0
+
+
+_DONE = object()
+
+
+def _skipping(batches: Iterator[Any], seq: int, consumed: set[int]) -> Iterator[Any]:
+    """The sampler's batches from task ``seq`` on, less the tasks already consumed."""
+    for index in batches:
+        if seq not in consumed:
+            yield index
+        seq += 1
+
+
+def plan_keeps_position(plan: Plan, dataset: Any, iterable: bool) -> bool:
+    """Whether the snapshot holds the position: False for an IterableDataset with no state of its
+    own (nor its iterator), whose consumed batches are produced again and dropped."""
+    dataset_state, fetcher_state = plan.in_process
+    in_process = holds_position({"dataset_state": dataset_state, "fetcher_state": fetcher_state})
+    return not iterable or bool(plan.workers) or has_state(dataset) or in_process
+
+
+def replayed(plan: Plan, dataset: Any, iterable: bool) -> int:
+    return plan.since + (0 if plan_keeps_position(plan, dataset, iterable) else plan.step)
 
 
 class _Epoch:
     """A loader's current epoch: its iterator, weakly (a non-persistent one shuts its workers
-    down when dropped, as torch's does), and its progress once it died. An in-process
+    down when dropped, as torch's does), and its last checkpoint once it died. An in-process
     iterator (no workers) is held: it owns nothing to release."""
 
     __slots__ = ("ref", "held", "last")
@@ -167,11 +319,11 @@ class _Epoch:
     def __init__(self, it: Any) -> None:
         self.ref = weakref.ref(it)
         self.held: Any = None
-        self.last: Progress | None = None
+        self.last: tuple[Progress, int] | None = None
 
-    def progress(self, dataset: Any) -> Progress | None:
+    def checkpoint(self) -> tuple[Progress, int] | None:
         it = self.ref()
-        return self.last if it is None else Progress.of(it, dataset)
+        return self.last if it is None else it.checkpoint()
 
 
 # loader -> its current epoch (weak: a loader still pickles and is not kept alive).
@@ -185,83 +337,124 @@ def current_iterator(loader: Any) -> Any | None:
 
 
 def begin_epoch(loader: Any, torch_iter: Callable[[], Any]) -> Any:
-    """``iter(loader)`` for a loader that uses the ring (a shmloader.DataLoader, or torchdata's
+    """``iter(loader)`` for a loader that records its epochs (a shmloader.DataLoader, or torchdata's
     StatefulDataLoader under ``install(stateful_dataloader=True)``): record where the epoch
     begins, or begin it where a loaded state says; ``torch_iter`` is torch's ``__iter__``."""
     if getattr(loader._iterator, "shut_down", False):
         loader._iterator = None  # an error stopped the persistent workers: start afresh
     persistent = loader.persistent_workers and loader.num_workers > 0
     resume, loader._shm_resume = loader._shm_resume, None
-    if resume is None:
+    generator = loader.generator
+    plan = None if resume is None else Plan.of(resume)
+    if plan is not None and plan.num_workers != loader.num_workers:
+        raise StateMismatchError(
+            f"this state was taken with num_workers={plan.num_workers} and this loader has "
+            f"num_workers={loader.num_workers}: the workers' snapshots and which batch each worker makes "
+            f"belong to that count; resume with num_workers={plan.num_workers}")
+    if plan is None:
         previous = loader._shm_epoch_start
-        start = EpochStart(
-            epoch=0 if previous is None else previous.epoch + 1,
-            rng=rng_state(loader.generator),
-            fresh=not (persistent and loader._iterator is not None),
-        )
+        start = EpochStart(0 if previous is None else previous.epoch + 1, rng_state(generator),
+                           fresh=not (persistent and loader._iterator is not None))
+    elif plan.finished:  # the next epoch, from the RNG as it was when the state was taken
+        if plan.rng_now is not None:
+            set_rng_state(generator, plan.rng_now)
+        start = EpochStart(plan.epoch + 1, rng_state(generator), fresh=not persistent, base_seed=plan.base_seed)
+        if persistent:  # the workers carried on into it: no new base seed; they start from their snapshots
+            loader._shm_resume_seed = (plan.base_seed, start.rng) if plan.base_seed is not None else None
+        if persistent or loader.num_workers == 0:  # (in process the dataset is the loader's own: it carried on)
+            loader._shm_resume_plan = plan
+        plan = None
     else:
-        start = EpochStart(resume["epoch"], resume["rng"], resume["fresh"], resume["base_seed"])
-        # torch's global RNG belongs to the program (a framework restores it with its own
-        # checkpoint). A started epoch's draws were taken from it before the state was: they are
-        # made again from the epoch's recorded start, and the program's RNG is then put back as
-        # found. An epoch not started yet draws from it as it is, as torch's loader would.
-        started = bool(resume.get("started", resume["yielded"] > 0))
-        program_rng = torch.get_rng_state()
-        if loader.generator is None and not started:
-            start.rng = program_rng
-        set_rng_state(loader.generator, start.rng)
-        if not start.fresh and start.base_seed is not None:
-            # The original epoch reused a persistent iterator: no new base seed was drawn.
-            loader._shm_resume_seed = (start.base_seed, start.rng)
-    iterable_state = None if resume is None else resume["iterable"]
-    if iterable_state is not None:
-        if loader.num_workers == 0:
-            loader.dataset.load_state_dict(pickle.loads(iterable_state["dataset_states"][0])["state"])
-        else:
-            loader._shm_resume_iterable = IterableResume.from_state(iterable_state)
+        start = EpochStart(plan.epoch, rng_state(generator) if plan.rng_start is None else plan.rng_start,
+                           plan.fresh, plan.base_seed)
+        set_rng_state(generator, start.rng)
+        if plan.base_seed is not None and (not start.fresh or plan.rng_start is None):
+            loader._shm_resume_seed = (plan.base_seed, start.rng)  # the seed that epoch's workers had
+        loader._shm_resume_plan = plan
     try:
         it = torch_iter()
     finally:
         loader._shm_resume_seed = None
-        loader._shm_resume_iterable = None
+        loader._shm_resume_plan = None
     if start.fresh or start.base_seed is None:
         start.base_seed = getattr(it, "_base_seed", None)
     loader._shm_epoch_start = start
     epoch = _epochs[loader] = _Epoch(it)
     if hasattr(it, "last_words"):  # a ring iterator: say how far it got when it dies
-        dataset = loader.dataset
-        it.last_words = lambda dying: setattr(epoch, "last", Progress.of(dying, dataset))
+        it.last_words = lambda dying: setattr(epoch, "last", dying.checkpoint())
     else:
         epoch.held = it
-    if resume is not None:
-        if iterable_state is not None:  # the dataset's own state already holds the position
-            skip = getattr(it, "skip", None)
-            if skip is not None:  # a ring iterator
-                skip(resume["yielded"], draw=False)
-            else:
-                it._num_yielded = resume["yielded"]
-            fetcher = getattr(it, "_dataset_fetcher", None)  # in process: was the epoch over?
-            if fetcher is not None and pickle.loads(iterable_state["dataset_states"][0])["ended"]:
-                fetcher.ended = True
-        else:
-            fast_forward(it, resume["yielded"], loader._dataset_kind == _DatasetKind.Iterable)
-        if loader.generator is None and started:
-            torch.set_rng_state(program_rng)
+    if plan is not None:
+        for _ in range(replayed(plan, loader.dataset, loader._dataset_kind == _DatasetKind.Iterable)):
+            if next(it, _DONE) is _DONE:
+                break
     return it
 
 
+def resume_rng(loader: Any, plan: Plan) -> Callable[[], None]:
+    """Step 3 of the NOTE, for ``position``."""
+    def now() -> None:
+        if plan.rng_now is not None:
+            set_rng_state(loader.generator, plan.rng_now)
+    return now
+
+
 def loader_state(loader: Any) -> dict[str, Any]:
-    """``loader.state_dict()`` (see ``begin_epoch``): cheap, the workers are not paused."""
+    """``loader.state_dict()`` (see the module's docstring): cheap, the workers are not paused."""
+    if loader._shm_resume is not None:  # loaded and not iterated yet: that state
+        return loader._shm_resume  # type: ignore[no-any-return]
     epoch = _epochs.get(loader)
-    progress = None if epoch is None else epoch.progress(loader.dataset)
-    persistent = loader.persistent_workers and loader.num_workers > 0
-    return make_state(loader._shm_epoch_start, progress, loader.generator, persistent)
+    mark = None if epoch is None else epoch.checkpoint()
+    start = loader._shm_epoch_start
+    num_workers = loader.num_workers
+    generator = loader.generator
+    if mark is None or start is None:  # nothing iterated yet: the first epoch, from the RNG as it is now
+        rng = rng_state(generator)
+        start = EpochStart(0 if start is None else start.epoch + 1, rng, True)
+        mark = (Progress(0, False, 0, {}, None), 0)
+    progress, since = mark
+    persistent = loader.persistent_workers and num_workers > 0
+    now = encode_rng(rng_state(generator))
+    below = progress.consumed if progress.below < 0 else progress.below
+    own = {"version": VERSION, "epoch": start.epoch, "fresh": start.fresh, "rng_start": encode_rng(start.rng),
+           "rng_now": now, "pulled": progress.pulled, "below": below, "ahead": list(progress.ahead),
+           "persistent": persistent}
+    iter_state, sampler_state = progress.sampler_states
+    main = {
+        "_sampler_iter_state": iter_state,
+        "_index_sampler_state": sampler_state,
+        "_sampler_iter_yielded": below,
+        "_IterableDataset_len_called": loader._IterableDataset_len_called,
+        "_shared_seed": None,
+    }
+    if num_workers == 0:
+        dataset_state, fetcher_state = progress.in_process
+        return {**main, "_num_yielded": progress.consumed, "fetcher_state": fetcher_state,
+                "dataset_state": dataset_state, "_iterator_finished": progress.finished, OWN: own}
+    last = progress.last_worker
+    if last is None:  # (map-style: round-robin from worker 0 at the epoch's start)
+        last = (progress.consumed - 1) % num_workers
+    snapshots = {f"worker_{w}": {"worker_id": w, **(pickle.loads(progress.workers[w]) if w in progress.workers
+                                                    else _NO_SNAPSHOT)} for w in range(num_workers)}
+    return {
+        _SNAPSHOT: {"_snapshot_step": progress.consumed, "_last_yielded_worker_id": last,
+                    _MAIN: {"_num_workers": num_workers, **main, "_base_seed": start.base_seed},
+                    _WORKERS: snapshots},
+        "_steps_since_snapshot": since,
+        "_iterator_finished": progress.finished,
+        OWN: own,
+    }
 
 
 def load_loader_state(loader: Any, state: dict[str, Any]) -> None:
     """``loader.load_state_dict(state)``: the next ``iter(loader)`` continues from ``state``."""
-    check_state(state)
+    if not isinstance(state, dict):
+        raise TypeError(f"load_state_dict expects the dict that state_dict() returned, not {type(state).__name__}")
     if loader._iterator is not None and hasattr(loader._iterator, "_shutdown_workers"):
         loader._iterator._shutdown_workers()  # a persistent iterator cannot be rewound
     loader._iterator = None
+    if not state:  # torchdata's: an empty state changes nothing
+        loader._shm_resume = None
+        return
+    Plan.of(state)  # refused now if it is not a state at all
     loader._shm_resume = state

@@ -18,6 +18,7 @@ from shmloader import _checkpoint
 
 from shmloader.main import device as _device
 from shmloader.main.budget import parse_size
+from shmloader.main.inprocess import InProcessIterator
 from shmloader.main.iterator import RingIterator
 from shmloader.main.overflow import LoaderMemory
 from shmloader._stats import Counters, LoaderStats
@@ -51,7 +52,7 @@ def attach_options(loader: Any, *, slot_bytes: int | None = None, device: str | 
     loader._shm_device = _device.parse_device(device, loader.num_workers)
     loader._shm_batch_bytes = None  # the slot size rings start at (measured, then grown)
     loader._shm_resume_seed = None  # read by RingIterator
-    loader._shm_resume_iterable = None  # read by RingIterator
+    loader._shm_resume_plan = None  # read by the epoch's new iterator (RingIterator, InProcessIterator)
     loader._shm_epoch_start = None  # _checkpoint's: where the current epoch began
     loader._shm_resume = None  # _checkpoint's: the state the next iter() resumes from
 
@@ -92,6 +93,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     ring when the batch's last tensor is dropped, or at once with :meth:`release`.
 
     Args beyond torch's:
+        snapshot_every_n_steps: torchdata's ``StatefulDataLoader`` option, with its meaning: a
+            ``state_dict()`` is the snapshot at the latest multiple of n batches plus the count of
+            batches since, which a resume produces again and drops. Default 1 (exact, nothing
+            produced again). 0 or None: only the epoch's start is a snapshot.
         slot_bytes: a hint for the bytes of one slot's data region. By default slots fit the
             first batch exactly (rounded up to a page). A batch that does not fit a slot is
             still delivered, zero-copy, through overflow shared memory, and the ring then grows
@@ -132,7 +137,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     device: str | torch.device | None
     device_prefetch: int
     _shm_resume_seed: tuple[int, torch.Tensor] | None
-    _shm_resume_iterable: _checkpoint.IterableResume | None
+    _shm_resume_plan: _checkpoint.Plan | None
     _shm_epoch_start: _checkpoint.EpochStart | None
     _shm_resume: dict[str, Any] | None
 
@@ -156,6 +161,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
+        snapshot_every_n_steps: int | None = 1,
         slot_bytes: int | None = None,
         device: str | torch.device | None = None,
         device_prefetch: int = 2,
@@ -181,6 +187,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
+        self.snapshot_every_n_steps = snapshot_every_n_steps
         attach_options(self, slot_bytes=slot_bytes, device=device, device_prefetch=device_prefetch,
                        memory_budget=memory_budget, max_worker_restarts=max_worker_restarts)
         self._shm_iterators: weakref.WeakSet[RingIterator] = weakref.WeakSet()
@@ -200,7 +207,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
     def _get_iterator(self) -> Any:
         if self.num_workers == 0:
-            return super()._get_iterator()
+            return InProcessIterator(self)
         self.check_worker_number_rationality()
         it = RingIterator(self)
         self._shm_iterators.add(it)
@@ -210,9 +217,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         return _checkpoint.begin_epoch(self, super().__iter__)
 
     def state_dict(self) -> dict[str, Any]:
-        """Where this loader is: load it into a fresh loader (same dataset and arguments) to
-        continue with exactly the remaining batches of the epoch, then the following epochs.
-        Cheap: the workers are not paused and nothing is loaded."""
+        """Where this loader is, as torchdata's ``StatefulDataLoader`` says it (same layout and
+        meaning): load it into a fresh loader (same dataset and arguments) to continue with
+        exactly the remaining batches of the epoch, then the following epochs. Cheap: the
+        workers are not paused and nothing is loaded. What shmloader adds is what JSON holds;
+        the dataset's, its iterator's and a stateful sampler's own states are stored as made."""
         return _checkpoint.loader_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -14,7 +14,8 @@ a worker's pipe, and the device stager. A batch is, in order of preference:
 - on a device: copied on a side stream ahead of the consumer (``DeviceStager``); its slot
   returns once the copy has completed.
 
-For an IterableDataset it also keeps, per worker, the dataset's state after the last batch
+For an IterableDataset, or a dataset with a state of its own, it also keeps each worker's
+snapshot after its last batch (or end of shard)
 delivered: where a replacement resumes, and what a checkpoint saves.
 """
 
@@ -53,32 +54,59 @@ from shmloader._stats import Counters
 COPY_HELD_UNDER = 1 << 20
 
 
+class ConsumedSeqs:
+    """The tasks of an ``in_order=False`` epoch that were consumed: every seq below ``below``,
+    and those in ``ahead`` (what a checkpoint resumes after)."""
+
+    __slots__ = ("below", "ahead")
+
+    def __init__(self, below: int = 0, ahead: tuple[int, ...] = ()) -> None:
+        self.below = below
+        self.ahead = set(ahead)
+
+    def add(self, seq: int) -> None:
+        if seq != self.below:
+            self.ahead.add(seq)
+            return
+        self.below += 1
+        while self.below in self.ahead:
+            self.ahead.discard(self.below)
+            self.below += 1
+
+
 class Delivery:
-    def __init__(self, sched: Scheduler, broker: OverflowBroker, counters: Counters, iterable: bool) -> None:
+    def __init__(self, sched: Scheduler, broker: OverflowBroker, counters: Counters, noting: bool,
+                 seqs: bool = False) -> None:
+        """``noting``: each delivered batch's worker and snapshot are recorded (an IterableDataset,
+        or a dataset with a state of its own); ``seqs``: and its task's seq (``in_order=False``)."""
         self.sched = sched
         self.broker = broker
         self.counters = counters
-        self.iterable = iterable
+        self.noting = noting
         self.ring: Ring | None = None
         self.leases = Leases()
         self.lone: tuple[Any, ...] | None = None  # lend_lone's view of the ring (None: no one-tensor path)
         self.piped: dict[int, bytes] = {}  # slot -> its (batch, dataset state), pickled over the pipe
         self.stager: _device.DeviceStager | None = None
-        self.dataset_states: dict[int, bytes] = {}  # worker -> its dataset's state after its last delivered batch
+        # worker -> its snapshot after its last delivered batch or end of shard, and that epoch
+        # (kept across epochs: a persistent worker's dataset carries on from it)
+        self.dataset_states: dict[int, tuple[bytes, int]] = {}
         self.last_worker: int | None = None  # worker of the last delivered batch
+        self.consumed = ConsumedSeqs() if seqs else None
 
     def attach(self, ring: Ring) -> None:
         """Deliver from ``ring`` from now on (a new or grown one): its leases start empty; batches
         of the ring before keep their memory by themselves."""
         self.ring = ring
         self.leases = Leases()
-        self.lone = None if self.iterable else lone_args(ring, self.most_lent())
+        self.lone = None if self.noting else lone_args(ring, self.most_lent())
 
     def new_epoch(self) -> None:
         """Results the new epoch dropped (their slots FREE) take their piped payloads along."""
         self.piped = {s: p for s, p in self.piped.items() if self.sched.state_of(s) != SlotState.FREE}
-        self.dataset_states = {}
         self.last_worker = None
+        if self.consumed is not None:
+            self.consumed = ConsumedSeqs()
         if self.stager is not None:
             self.stager.drain()
 
@@ -106,12 +134,13 @@ class Delivery:
         if piped is not None:
             self.sched.give_back(slot)
             batch, state = pickle.loads(piped)
-            if self.iterable:
-                self.delivered((int(ring.headers[slot][Field.WORKER]), state))
+            if self.noting:
+                hdr = ring.headers[slot]
+                self.delivered((int(hdr[Field.WORKER]), state, int(hdr[Field.R_SEQ])))
             self.counters.batches += 1
             self.counters.copies += 1
             return batch
-        if self.iterable:
+        if self.noting:
             self.delivered(self.note(slot))
         where = self.broker.where(slot)
         if where is not None:
@@ -199,24 +228,32 @@ class Delivery:
             self.broker.drop(slot)
 
     # ---------------------------------------------------- IterableDataset
-    def note(self, slot: int) -> tuple[int, bytes] | None:
-        """For an IterableDataset: which worker made this batch and its dataset's state after it."""
-        if not self.iterable:
+    def note(self, slot: int) -> tuple[int, bytes, int] | None:
+        """When noting: which worker made this batch, its snapshot after it, and the task's seq."""
+        if not self.noting:
             return None
         assert self.ring is not None
-        return int(self.ring.headers[slot][Field.WORKER]), read_dataset_state(self.ring, slot, self.broker.where(slot))
+        hdr = self.ring.headers[slot]
+        return int(hdr[Field.WORKER]), read_dataset_state(self.ring, slot, self.broker.where(slot)), int(hdr[Field.R_SEQ])
 
-    def delivered(self, note: tuple[int, bytes] | None) -> None:
+    def delivered(self, note: tuple[int, bytes, int] | None) -> None:
         if note is not None:
             self.last_worker = note[0]
             if note[1]:
-                self.dataset_states[note[0]] = note[1]
+                self.dataset_states[note[0]] = (note[1], self.sched.epoch)
+            if self.consumed is not None:
+                self.consumed.add(note[2])
 
-    def shard_state(self, wid: int, first_epoch_state: bytes) -> bytes:
-        """Where a replacement of IterableDataset worker ``wid`` resumes its shard: the state its
-        dataset stored after the last batch it made that is kept (ready, staged, or delivered),
-        in this epoch; ``first_epoch_state`` (a checkpoint's, or the shard's start) when there is
-        none."""
+    def shard_ended(self, worker: int, snapshot: bytes) -> None:
+        """``worker``'s shard ended, its dataset then as ``snapshot`` (b"": none carried)."""
+        if snapshot:
+            self.dataset_states[worker] = (snapshot, self.sched.epoch)
+
+    def shard_state(self, wid: int, first_epoch_state: bytes) -> tuple[bytes, bool]:
+        """Where a replacement of worker ``wid`` resumes: the snapshot its dataset stored after the
+        last batch it made that is kept (ready, staged, or delivered), or at its shard's end;
+        ``first_epoch_state`` (a checkpoint's, or the shard's start) when there is none. And
+        whether that snapshot is of an earlier epoch (the replacement then begins this one anew)."""
         assert self.ring is not None
         sched = self.sched
         kept = [(task.seq, slot) for slot in sched.ready() if (task := sched.task_of(slot)) and task.worker == wid]
@@ -225,13 +262,15 @@ class Delivery:
             piped = self.piped.get(slot)
             if piped is not None:
                 state: bytes = pickle.loads(piped)[1]
-                return state
-            return read_dataset_state(self.ring, slot, self.broker.where(slot))
+                return state, False
+            return read_dataset_state(self.ring, slot, self.broker.where(slot)), False
         staged = [note for note in ([] if self.stager is None else self.stager.notes()) if note and note[0] == wid]
         if staged:
-            note: tuple[int, bytes] = staged[-1]
-            return note[1]
-        return self.dataset_states.get(wid, first_epoch_state)
+            return staged[-1][1], False
+        saved = self.dataset_states.get(wid)
+        if saved is None:
+            return first_epoch_state, False
+        return saved[0], saved[1] != sched.epoch
 
     def make_stager(self, device: torch.device, depth: int) -> None:
         self.stager = _device.DeviceStager(device, depth)

@@ -34,14 +34,14 @@ import torch.autograd.profiler as _profiler
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
 from shmloader import _checkpoint
-from shmloader.main.delivery import Delivery
+from shmloader.main.delivery import ConsumedSeqs, Delivery
 from shmloader.main.dispatch import batches_of
 from shmloader._errors import CorruptSlotError, StopCarrier, raise_worker_error
 from shmloader.wire.layout import Field, Status
 from shmloader.main.lease import leaves_of, read_pickled, slot_of
 from shmloader.main.lifecycle import Lifecycle, live
 from shmloader.main.overflow import OverflowBroker
-from shmloader.worker.produce import worker_configs
+from shmloader.worker.produce import has_state, worker_configs
 from shmloader.wire.ring import Ring
 from shmloader.main.scheduler import Scheduler, Step
 from shmloader._stats import Counters, RingOccupancy, occupancy
@@ -86,25 +86,51 @@ class RingIterator(_BaseDataLoaderIter):
         cap = self._num_workers * self._prefetch_factor  # torch's bound on tasks; memory_budget may give fewer slots
         self._sched = Scheduler(cap, self._num_workers, cap, in_order=loader.in_order)
         self._broker = OverflowBroker(loader._shm_memory, self._memory_budget, loader.in_order, self._loader)
-        self._delivery = Delivery(self._sched, self._broker, self._counters, self._iterable)
-        resume: _checkpoint.IterableResume | None = loader._shm_resume_iterable
-        configs = worker_configs(self, loader.worker_init_fn, int(self._base_seed), PARENT_CHECK_S,
-                                 {} if resume is None else resume.dataset_states)
+        plan: _checkpoint.Plan | None = loader._shm_resume_plan
+        self._delivery = Delivery(self._sched, self._broker, self._counters, self._iterable or has_state(self._dataset),
+                                  seqs=not loader.in_order and not self._iterable)
+        states, done = ({}, False) if plan is None else plan.worker_states()
+        configs = worker_configs(self, loader.worker_init_fn, int(self._base_seed), PARENT_CHECK_S, states, done)
         self._life = Lifecycle(loader.multiprocessing_context or torch.multiprocessing, configs, self._sched,
                                self._delivery, self._broker, self._counters)
         self._waiter = Waiter(self._life, self._sched, self._delivery, self._counters)
         live.add(self)
+        self._every = getattr(loader, "snapshot_every_n_steps", 1)
         self._reset(loader, first_iter=True)
-        if resume is not None:  # continue the round-robin where the checkpointed epoch was
-            for worker, going_on in enumerate(resume.active):
-                if not going_on:
-                    self._sched.end_shard(worker)
-            if resume.last_worker is not None:
-                self._sched.rr = (resume.last_worker + 1) % self._num_workers
+        if plan is not None:
+            self._resume(loader, plan)
+        self._snapshots = _checkpoint.Snapshots(self._every, self)
+
+    def _resume(self, loader: Any, plan: _checkpoint.Plan) -> None:
+        """Start where ``plan``'s snapshot was (``_checkpoint``'s NOTE): each worker's snapshot
+        (given to its config), round-robin after the last worker that delivered, the sampler."""
+        self._delivery.dataset_states = {w: (state, -1 if plan.finished else 0) for w, state in plan.workers.items()}
+        if plan.finished:
+            return  # a new epoch
+        if not _checkpoint.plan_keeps_position(plan, self._dataset, self._iterable):
+            _checkpoint.resume_rng(loader, plan)()
+            return  # produced again from its start
+        for worker, going_on in enumerate(plan.active(self._num_workers)):
+            if not going_on:
+                self._sched.end_shard(worker)
+        self._delivery.last_worker = plan.last_worker
+        if plan.last_worker is not None and loader.in_order:
+            self._sched.rr = (plan.last_worker + 1) % self._num_workers
+        if self._delivery.consumed is not None:
+            self._delivery.consumed = ConsumedSeqs(plan.below, plan.ahead)
+        self._pulled_before = plan.below
+        _checkpoint.position(self, plan, self._iterable, _checkpoint.resume_rng(loader, plan))
 
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)
-        self._sampler_iter = batches_of(self._index_sampler)
+        sampler_iter = batches_of(self._index_sampler)
+        if not self._iterable and _checkpoint.stateful_sampler(self._index_sampler, sampler_iter):
+            # its state after each pull is kept for the batches in flight (and two more)
+            keep = self._num_workers * self._prefetch_factor + 2
+            sampler_iter = _checkpoint.SamplerPulls(self._index_sampler, sampler_iter, 0, keep)
+        self._sampler_iter = sampler_iter
+        self._pulled_before = 0  # batches of indices a resume drew before this iterator's first dispatch
+        self.finished = False  # this epoch's StopIteration was raised
         self._failed_batches = 0
         self._pending_error = None  # (an error staged behind batches of an epoch left early is that epoch's)
         self._raising_batch_error = False
@@ -112,6 +138,7 @@ class RingIterator(_BaseDataLoaderIter):
             self._sched.new_epoch()  # ready results dropped, the dispatch cursor and sequence numbers anew
             self._broker.new_epoch(self._sched)
             self._delivery.new_epoch()
+            self._snapshots = _checkpoint.Snapshots(self._every, self)
 
     @property
     def shut_down(self) -> bool:
@@ -237,10 +264,16 @@ class RingIterator(_BaseDataLoaderIter):
             raise error
         elif code == Step.RESULT:  # taken, and not a batch: an end of shard, or an error
             status = hdr[Field.STATUS]
-            sched.give_back(slot)
-            if status == Status.STOP:
-                sched.end_shard(hdr[Field.WORKER])
+            if status == Status.STOP:  # with the worker's snapshot then, where it fit the slot
+                worker = int(hdr[Field.WORKER])
+                self._delivery.shard_ended(worker, read_pickled(ring, slot) if hdr[Field.PICKLED_LEN] else b"")
+                sched.give_back(slot)
+                sched.end_shard(worker)
                 return
+            consumed = self._delivery.consumed
+            if consumed is not None:
+                consumed.add(int(hdr[Field.R_SEQ]))
+            sched.give_back(slot)
             self._broker.drop(slot)
             if status == Status.ERROR or status == Status.INIT_ERROR:
                 error = pickle.loads(read_pickled(ring, slot))
@@ -276,7 +309,7 @@ class RingIterator(_BaseDataLoaderIter):
     def _check(self) -> None:
         """Replace dead workers (or raise); raise if the user's ``timeout`` has passed."""
         for wid in self._life.pool.dead():
-            self._life.recover(wid, self._max_restarts, self._iterable and not _checkpoint.has_state(self._dataset))
+            self._life.recover(wid, self._max_restarts, self._iterable and not has_state(self._dataset))
         if self._deadline is not None and time.monotonic() >= self._deadline:
             # torch's: raised at the deadline, and the iterator goes on (the next next() waits
             # for the same batch again): nothing is stopped first, nothing is lost.
@@ -293,6 +326,8 @@ class RingIterator(_BaseDataLoaderIter):
         self._num_yielded += 1
         if self._iterable and self._IterableDataset_len_called is not None:
             self._warn_len()
+        if self._every != 1:
+            self._snapshots.stepped(self, self._num_yielded + self._failed_batches)
         return data
 
     def _next_data(self) -> Any:
@@ -322,6 +357,7 @@ class RingIterator(_BaseDataLoaderIter):
             counters.returned(asked)
         if result is _END:
             counters.epoch_ended()
+            self.finished = True
             raise StopIteration
         return result
 
@@ -378,10 +414,13 @@ class RingIterator(_BaseDataLoaderIter):
             self._counters.returned(asked)
         if result is _END:
             self._counters.epoch_ended()
+            self.finished = True
             raise StopAsyncIteration
         self._num_yielded += 1
         if self._iterable and self._IterableDataset_len_called is not None:
             self._warn_len()
+        if self._every != 1:
+            self._snapshots.stepped(self, self._num_yielded + self._failed_batches)
         return result
 
     # ------------------------------------------------- the user's view
@@ -396,22 +435,21 @@ class RingIterator(_BaseDataLoaderIter):
     def holding(self) -> int:
         return self._delivery.leases.holding()
 
-    def progress(self) -> tuple[int, dict[str, Any]]:
-        """For a checkpoint: the batches of this epoch consumed (yielded, or raised), and for an
-        IterableDataset each worker's dataset state after its last delivered batch, the worker
-        of the last delivered batch and the workers whose shard goes on."""
+    def progress(self) -> _checkpoint.Progress:
+        """Where this epoch is, for a checkpoint: batches consumed (yielded, or raised), and each
+        worker's snapshot after its last delivered batch or end of shard."""
         delivery = self._delivery
-        return self._num_yielded + self._failed_batches, {
-            "dataset_states": dict(delivery.dataset_states), "last_worker": delivery.last_worker,
-            "active": list(self._sched.active)}
+        consumed = self._num_yielded + self._failed_batches
+        seqs = delivery.consumed
+        below, ahead = (-1, ()) if seqs is None else (seqs.below, tuple(sorted(seqs.ahead)))
+        return _checkpoint.Progress(
+            consumed, self.finished, self._pulled_before + self._sched.send_seq,
+            {w: state for w, (state, _) in delivery.dataset_states.items()}, delivery.last_worker,
+            _checkpoint.sampler_states(self, consumed if below < 0 else below), below, ahead)
 
-    def skip(self, k: int, draw: bool = True) -> None:
-        """Begin this epoch after its first ``k`` batches (resuming a checkpoint): their indices are
-        drawn from the sampler and dropped (``draw``; an IterableDataset's own state holds its
-        position), nothing is loaded. Before the first ``next()`` only."""
-        for _ in range(k if draw else 0):
-            next(self._sampler_iter)
-        self._num_yielded = k
+    def checkpoint(self) -> tuple[_checkpoint.Progress, int]:
+        """``progress()`` at the latest snapshot (``snapshot_every_n_steps``), and the batches since."""
+        return self._snapshots.checkpoint(self)
 
     def occupancy(self) -> RingOccupancy | None:
         ring = self._life.ring

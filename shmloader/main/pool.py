@@ -92,10 +92,11 @@ class WorkerPool:
         self.conns[wid].close()
         self.procs[wid], self.conns[wid] = self._start(self.configs[wid], doorbell)
 
-    def replace(self, wid: int, ring: Ring, doorbell: int, dataset_state: tuple[bytes, int] | None = None) -> None:
+    def replace(self, wid: int, ring: Ring, doorbell: int, dataset_state: tuple[bytes, int, bool] | None = None) -> None:
         """Start a new worker ``wid`` (same start method) that maps the ring through its fd, with
         a new connection (closing the old one drops whatever the dead worker had queued on it).
-        ``dataset_state``: the IterableDataset state it resumes its shard from, and its epoch."""
+        ``dataset_state``: the worker snapshot it resumes from, its epoch, and whether it was taken in
+        an earlier epoch (``WorkerConfig.dataset_state_done``)."""
         ctx = self.ctx
         self.procs[wid].join()
         self.conns[wid].close()
@@ -103,7 +104,8 @@ class WorkerPool:
         self.conns[wid] = parent_end
         cfg = self.configs[wid]
         if dataset_state is not None:
-            cfg = dataclasses.replace(cfg, dataset_state=dataset_state[0], dataset_state_epoch=dataset_state[1])
+            cfg = dataclasses.replace(cfg, dataset_state=dataset_state[0], dataset_state_epoch=dataset_state[1],
+                                      dataset_state_done=dataset_state[2])
         proc = ctx.Process(
             target=worker_replacement,
             args=(cfg, ring.geometry, InheritedFd(ring.fd), child_end, InheritedFd(doorbell)),

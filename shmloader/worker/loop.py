@@ -65,7 +65,9 @@ def _rebuild_fd(dup: Any) -> InheritedFd:
 
 
 def _publish(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWriter, outcome: Outcome,
-             epoch: int, seq: int, doorbell: int, region: Region = Region.SLOT) -> None:
+             epoch: int, seq: int, doorbell: int, region: Region = Region.SLOT, shard_end: bytes = b"") -> None:
+    """``shard_end``: with an end of shard, the worker's snapshot then (``Producer.snapshot``),
+    written where an error's pickle goes when it fits the slot."""
     if outcome.status is _OK:
         table_off, table_len = writer.table_off, writer.table_len
         pickled_off, pickled_len = writer.pickled_off, writer.pickled_len
@@ -74,6 +76,10 @@ def _publish(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWrite
         table_off = table_len = pickled_off = pickled_len = dataset_state_off = dataset_state_len = 0
         if outcome.status is Status.ERROR or outcome.status is Status.INIT_ERROR:
             pickled_len = _write_error(ring, slot, outcome.error)
+        elif shard_end and len(shard_end) <= ring.geometry.data_bytes:
+            start = ring.geometry.data_offset(slot)
+            ring.bytes[start : start + len(shard_end)] = np.frombuffer(shard_end, dtype=np.uint8)
+            pickled_len = len(shard_end)
     # The result fields from STATUS on, in field order (see _layout.Field); DONE is stored after
     # them with release ordering, then the ready semaphore is posted.
     results = (outcome.status, cfg.worker_id, table_off, table_len, pickled_off, pickled_len, outcome.needed,
@@ -186,7 +192,8 @@ def _deliver(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWrite
     data region, which it does not otherwise use (``Region.LEAVES``): a batch of whole pages
     then costs exactly its pages, as torch's does."""
     if outcome.status is not _NEED_MEMORY:
-        _publish(ring, slot, cfg, writer, outcome, epoch, seq, doorbell)
+        _publish(ring, slot, cfg, writer, outcome, epoch, seq, doorbell,
+                 shard_end=dataset_state if outcome.status is Status.STOP else b"")
         return True
     measure = SlotWriter(None)  # exactly what a fresh writer will need (leaf order included)
     try:

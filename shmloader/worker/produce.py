@@ -44,16 +44,20 @@ class WorkerConfig:
     worker_init_fn: Callable[[int], None] | None
     parent_pid: int
     parent_check_s: float = 0.5  # how often an idle worker checks that the loader lives
-    dataset_state: bytes = b""  # a pickled IterableDataset state to load before its first epoch
-    # The epoch that state belongs to, for a replaced worker: loaded (with its "shard ended"
-    # flag) only if the first task is of that epoch. None: a checkpoint's, loaded as it is.
+    # A worker snapshot (``snapshot``'s format) to start from: a checkpoint's, or a dead
+    # predecessor's. Loaded at the first task, if that task is of ``dataset_state_epoch`` (None:
+    # whichever comes first). ``dataset_state_done``: it was taken after its epoch had ended, so
+    # the dataset is loaded and then begins an epoch anew (persistent workers between epochs).
+    dataset_state: bytes = b""
     dataset_state_epoch: int | None = None
+    dataset_state_done: bool = False
 
 
 def worker_configs(it: Any, worker_init_fn: Callable[[int], None] | None, base_seed: int, parent_check_s: float,
-                   dataset_states: dict[int, bytes]) -> list[WorkerConfig]:
+                   dataset_states: dict[int, bytes], done: bool) -> list[WorkerConfig]:
     """One config per worker of ``it`` (a torch ``_BaseDataLoaderIter``: its dataset, collate and
-    counts), each resuming an IterableDataset's shard from ``dataset_states`` (a checkpoint's)."""
+    counts), each starting from its snapshot in ``dataset_states`` (a checkpoint's; ``done``: taken
+    after the epoch ended)."""
     return [
         WorkerConfig(
             worker_id=i,
@@ -68,6 +72,7 @@ def worker_configs(it: Any, worker_init_fn: Callable[[int], None] | None, base_s
             parent_pid=os.getpid(),
             parent_check_s=parent_check_s,
             dataset_state=dataset_states.get(i, b""),
+            dataset_state_done=done,
         )
         for i in range(it._num_workers)
     ]
@@ -87,6 +92,11 @@ def _ok(needed: int) -> Outcome:
     """``Outcome(Status.OK, needed)``, made at tuple speed (one per batch)."""
     return _tuple_new(Outcome, (_OK, needed, None))
 
+def has_state(obj: Any) -> bool:
+    """torchdata's ``Stateful``: it has ``state_dict()`` and ``load_state_dict()``."""
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
 def wrap(where: str) -> ExceptionWrapper:
     """torch's wrapper of the exception being handled: the main process re-raises it."""
     return ExceptionWrapper(where=where)  # type: ignore[no-untyped-call]
@@ -101,31 +111,37 @@ class Producer:
         self.fused = cfg.auto_collation and cfg.collate_fn is torch_collate.default_collate
         # Map-style, default collate: a batch like the last one stacked into the same slot is
         # stacked in one step (SlotWriter.stack_lone)
-        self.lean = self.fused and not cfg.iterable
+        # (not for a dataset with a state of its own: its snapshot goes with each batch)
+        self.lean = self.fused and not cfg.iterable and not has_state(cfg.dataset)
         self._epoch: int | None = None
         self._iter: Any = None
         self._ended = False
-        self.dataset_state = b""
+        self._ds_state = has_state(cfg.dataset)
+        self._iter_state = False
+        self.dataset_state = b""  # snapshot() after the latest batch or end of shard
 
     def _samples(self, epoch: int, index: Any) -> Any:
         ds = self.cfg.dataset
         if not self.cfg.iterable:
+            if self._epoch is None:
+                self._epoch = epoch
+                saved = self._saved(epoch)
+                if saved is not None and saved["dataset_state"] is not None:
+                    ds.load_state_dict(saved["dataset_state"])
             if not self.cfg.auto_collation:
                 return ds[index]
             getitems = getattr(ds, "__getitems__", None)
             return getitems(index) if getitems else [ds[i] for i in index]
         if epoch != self._epoch:
-            ended = False
-            resumed = self.cfg.dataset_state_epoch
-            if self._epoch is None and self.cfg.dataset_state and resumed in (None, epoch):
-                saved = pickle.loads(self.cfg.dataset_state)  # a checkpoint's, or a dead predecessor's
-                ds.load_state_dict(saved["state"])
-                ended = resumed == epoch and saved["ended"]
-            self._epoch, self._iter, self._ended = epoch, iter(ds), ended
+            self._begin(epoch)
         if self._ended:
             raise StopIteration
         if not self.cfg.auto_collation:
-            return next(self._iter)
+            try:
+                return next(self._iter)
+            except StopIteration:
+                self._ended = True
+                raise
         data = []
         for _ in index:
             try:
@@ -137,11 +153,48 @@ class Producer:
             raise StopIteration
         return data
 
-    def _dataset_state(self) -> bytes:
-        """An IterableDataset's ``state_dict()`` after this batch, and whether its shard ended
-        within the batch, pickled (b"" for a dataset without state)."""
-        get = getattr(self.cfg.dataset, "state_dict", None) if self.cfg.iterable else None
-        return pickle.dumps({"ended": self._ended, "state": get()}) if callable(get) else b""
+    def _saved(self, epoch: int) -> dict[str, Any] | None:
+        """The snapshot this worker starts from, at its first task, if that task's epoch is its."""
+        cfg = self.cfg
+        if not cfg.dataset_state or cfg.dataset_state_epoch not in (None, epoch):
+            return None
+        saved: dict[str, Any] = pickle.loads(cfg.dataset_state)
+        return saved
+
+    def _begin(self, epoch: int) -> None:
+        """An IterableDataset's epoch: ``iter(dataset)``; at the first, from the saved snapshot in
+        torchdata's order: the dataset's state, then ``iter()``, then the iterator's state."""
+        ds = self.cfg.dataset
+        it, ended = None, False
+        saved = self._saved(epoch) if self._epoch is None else None
+        if saved is not None:
+            if saved["dataset_state"] is not None:
+                ds.load_state_dict(saved["dataset_state"])
+            fetcher = saved["fetcher_state"]
+            if fetcher is not None:
+                it = iter(ds)
+                if fetcher["dataset_iter_state"] is not None and has_state(it):
+                    it.load_state_dict(fetcher["dataset_iter_state"])
+                ended = bool(fetcher["fetcher_ended"])
+            if self.cfg.dataset_state_done:  # that epoch had ended: this one begins anew
+                it, ended = None, False
+        self._epoch, self._iter, self._ended = epoch, iter(ds) if it is None else it, ended
+        self._iter_state = has_state(self._iter)
+
+    def snapshot(self) -> bytes:
+        """This worker's dataset after its latest batch (or end of shard), as torchdata's worker
+        snapshot: ``{"dataset_state", "fetcher_state": {"dataset_iter_state", "fetcher_ended"}}``
+        pickled; b"" for a dataset with no state of its own (nor its iterator). The state is
+        stored once: a dataset that is its own iterator has it as the iterator's."""
+        ds = self.cfg.dataset
+        if not self.cfg.iterable:
+            return pickle.dumps({"dataset_state": ds.state_dict(), "fetcher_state": None}) if self._ds_state else b""
+        if not (self._ds_state or self._iter_state):
+            return b""
+        it = self._iter
+        fetcher = {"dataset_iter_state": it.state_dict() if self._iter_state else None, "fetcher_ended": self._ended}
+        own = self._ds_state and it is not ds
+        return pickle.dumps({"dataset_state": ds.state_dict() if own else None, "fetcher_state": fetcher})
 
     def produce(self, epoch: int, index: Any, writer: SlotWriter, fn_map: dict[Any, Any]) -> tuple[Outcome, Any]:
         """Fetch and collate into ``writer``; returns the outcome and the batch object."""
@@ -161,10 +214,14 @@ class Producer:
             else:
                 batch = self.cfg.collate_fn(samples)
             del samples
-            self.dataset_state = self._dataset_state() if self.cfg.iterable else b""
+            self.dataset_state = self.snapshot()
             needed = writer.finish(batch, self.dataset_state)
         except StopIteration:
             if not self.cfg.iterable:
+                return Outcome(Status.ERROR, error=wrap(where=self.where)), None
+            try:
+                self.dataset_state = self.snapshot()  # the shard's end (what a later epoch starts from)
+            except Exception:
                 return Outcome(Status.ERROR, error=wrap(where=self.where)), None
             return Outcome(Status.STOP), None
         except Exception:

@@ -1,0 +1,79 @@
+"""The iterator of a loader with ``num_workers=0``: torch's in-process iterator, resumable.
+
+``InProcessIterator`` is torch's ``_SingleProcessDataLoaderIter`` (the same batches, made in
+this process) that also says where it is for a checkpoint and starts where a loaded state
+says, in torchdata's order (``_checkpoint``'s NOTE): the sampler, the RNG, then the dataset's
+state, ``iter(dataset)`` once, and its iterator's state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.utils.data.graph_settings
+from torch.utils.data import IterDataPipe, MapDataPipe
+from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind, _SingleProcessDataLoaderIter
+
+from shmloader import _checkpoint
+from shmloader.worker.produce import has_state
+
+
+class InProcessIterator(_SingleProcessDataLoaderIter):
+    def __init__(self, loader: Any) -> None:
+        _BaseDataLoaderIter.__init__(self, loader)  # (torch's own __init__ would call iter(dataset) now)
+        if self._timeout != 0:
+            raise AssertionError("_SingleProcessDataLoaderIter requires timeout == 0")
+        if isinstance(self._dataset, (IterDataPipe, MapDataPipe)):  # torch's: distributed sharding
+            torch.utils.data.graph_settings.apply_sharding(self._dataset, self._world_size, self._rank)
+        self._iterable = self._dataset_kind == _DatasetKind.Iterable
+        self._pulled = 0  # batches of indices taken from the sampler
+        self.finished = False  # StopIteration was raised
+        plan: _checkpoint.Plan | None = loader._shm_resume_plan
+        if plan is not None and not plan.finished:
+            _checkpoint.position(self, plan, self._iterable, _checkpoint.resume_rng(loader, plan))
+            self._pulled = plan.below
+        dataset_state, fetcher_state = (None, None) if plan is None else plan.in_process
+        if dataset_state is not None and has_state(self._dataset):
+            self._dataset.load_state_dict(dataset_state)  # before iter(dataset), which the fetcher calls
+        self._dataset_fetcher = _DatasetKind.create_fetcher(
+            self._dataset_kind, self._dataset, self._auto_collation, self._collate_fn, self._drop_last)
+        if self._iterable and fetcher_state is not None:
+            fetcher = self._dataset_fetcher
+            it = fetcher.dataset_iter
+            if fetcher_state["dataset_iter_state"] is not None and has_state(it):
+                it.load_state_dict(fetcher_state["dataset_iter_state"])
+                if plan is not None and plan.finished:  # that epoch had ended: this one begins anew
+                    fetcher.dataset_iter = iter(self._dataset)
+            fetcher.ended = bool(fetcher_state["fetcher_ended"]) and not (plan is not None and plan.finished)
+        self._snapshots = _checkpoint.Snapshots(getattr(loader, "snapshot_every_n_steps", 1), self)
+
+    def _next_index(self) -> Any:
+        index = next(self._sampler_iter)  # may raise StopIteration
+        self._pulled += 1
+        return index
+
+    def __next__(self) -> Any:
+        try:
+            data = super().__next__()
+        except StopIteration:
+            self.finished = True
+            raise
+        self._snapshots.stepped(self, self._num_yielded)
+        return data
+
+    def progress(self) -> _checkpoint.Progress:
+        fetcher = self._dataset_fetcher
+        dataset = self._dataset
+        if self._iterable:
+            it = fetcher.dataset_iter
+            fetcher_state = {"dataset_iter_state": _checkpoint.state_of(it), "fetcher_ended": bool(fetcher.ended)}
+            dataset_state = _checkpoint.state_of(dataset) if it is not dataset else None
+        else:
+            fetcher_state, dataset_state = None, _checkpoint.state_of(dataset)
+        return _checkpoint.Progress(
+            self._num_yielded, self.finished, self._pulled, {}, None,
+            (_checkpoint.state_of(self._sampler_iter), _checkpoint.state_of(self._index_sampler)),
+            in_process=(dataset_state, fetcher_state))
+
+    def checkpoint(self) -> tuple[_checkpoint.Progress, int]:
+        return self._snapshots.checkpoint(self)
