@@ -48,7 +48,6 @@ from shmloader.worker.produce import has_state
 VERSION = 2
 OWN = "_shmloader"  # shmloader's part of a state dict
 _SNAPSHOT, _MAIN, _WORKERS = "_snapshot", "_main_snapshot", "_worker_snapshots"
-_NO_SNAPSHOT = {"dataset_state": None, "fetcher_state": None}
 
 
 class StateMismatchError(ShmLoaderError, ValueError, AssertionError):
@@ -107,6 +106,7 @@ class Progress:
     below: int = -1  # in_order=False: every task below it consumed (-1: consumed)
     ahead: tuple[int, ...] = ()  # in_order=False: the tasks consumed above ``below``
     in_process: tuple[Any, Any] = (None, None)  # num_workers=0: (dataset_state, fetcher_state)
+    ended: frozenset[int] = frozenset()  # workers whose shard ended (an IterableDataset's)
 
 
 class Snapshots:
@@ -184,7 +184,7 @@ class Plan:
     num_workers: int
     step: int  # batches consumed at the snapshot
     since: int  # consumed after it: produced again and dropped
-    pulled: int  # batches of indices the sampler had given when the state was taken
+    sampler_started: bool  # the sampler had given a batch when the state was taken (and drawn its seed)
     below: int  # map-style: the sampler's batches to skip
     ahead: tuple[int, ...]  # in_order=False: tasks above ``below`` already consumed
     sampler_states: tuple[Any, Any]
@@ -222,7 +222,7 @@ class Plan:
             epoch=int(own.get("epoch", 0)), fresh=bool(own.get("fresh", True)),
             base_seed=main.get("_base_seed"), rng_start=rng["rng_start"], rng_now=rng["rng_now"],
             finished=finished, num_workers=num_workers, step=step, since=since,
-            pulled=int(own.get("pulled", main.get("_sampler_iter_yielded", step))),
+            sampler_started=bool(own.get("sampler_started", True)),
             below=int(own.get("below", main.get("_sampler_iter_yielded", step))),
             ahead=tuple(own.get("ahead", ())),
             sampler_states=(main.get("_sampler_iter_state"), main.get("_index_sampler_state")),
@@ -259,18 +259,13 @@ def position(it: Any, plan: Plan, iterable: bool, rng: Callable[[], None]) -> No
         index_sampler = it._index_sampler
         sampler_iter = it._sampler_iter
         inner = sampler_iter.it if isinstance(sampler_iter, SamplerPulls) else sampler_iter
-        iter_state, sampler_state = plan.sampler_states
-        if stateful_sampler(index_sampler, inner) and (iter_state is not None or sampler_state is not None):
-            if sampler_state is not None and has_state(index_sampler):
-                index_sampler.load_state_dict(sampler_state)
-                inner = iter(index_sampler)
-            if iter_state is not None and has_state(inner):
-                inner.load_state_dict(iter_state)
+        if stateful_sampler(index_sampler, inner) and plan.sampler_states != (None, None):
+            inner = restore_sampler(index_sampler, inner, plan)
         else:
             for _ in range(plan.below):
                 if next(inner, _DONE) is _DONE:
                     break
-            if plan.pulled > plan.below:  # the sampler had drawn ahead (its seed, for torch's): so does this one
+            if plan.sampler_started and not plan.below:  # it had drawn (its seed, for torch's): so does this one
                 first = next(inner, _DONE)
                 if first is not _DONE:
                     inner = itertools.chain((first,), inner)
@@ -287,6 +282,45 @@ def position(it: Any, plan: Plan, iterable: bool, rng: Callable[[], None]) -> No
 
 
 _DONE = object()
+
+
+def restore_sampler(index_sampler: Any, inner: Any, plan: Plan) -> Any:
+    """A stateful index sampler (or its iterator) loads its own state, as torchdata's does:
+    returns the iterator to go on with."""
+    iter_state, sampler_state = plan.sampler_states
+    if sampler_state is not None and has_state(index_sampler):
+        index_sampler.load_state_dict(sampler_state)
+        inner = iter(index_sampler)
+    if iter_state is not None and has_state(inner):
+        inner.load_state_dict(iter_state)
+    return inner
+
+
+def carry_sampler(index_sampler: Any, plan: Plan) -> None:
+    """A state taken after its epoch ended: a stateful sampler goes where that epoch left it (its
+    next ``iter()`` is the next epoch's). Called just before that ``iter()``."""
+    if plan.sampler_states != (None, None):
+        restore_sampler(index_sampler, iter(index_sampler), plan)
+
+
+def carry_into_next_epoch(loader: Any, plan: Plan, persistent: bool) -> None:
+    """A state taken after its epoch ended: what carries over into the next epoch, loaded before
+    its iterator is made, as torchdata's loader does. A stateful sampler (persistent workers:
+    the new iterator does it, before its epoch's ``iter()`` of the sampler); with
+    ``num_workers=0`` the dataset (the loader's own) loads its state, and its iterator's is
+    loaded into an ``iter(dataset)`` made for it."""
+    if not persistent and loader._dataset_kind != _DatasetKind.Iterable:
+        carry_sampler(loader._index_sampler, plan)
+    if plan.num_workers:
+        return
+    dataset = loader.dataset
+    dataset_state, fetcher_state = plan.in_process
+    if dataset_state is not None and has_state(dataset):
+        dataset.load_state_dict(dataset_state)
+    if fetcher_state is not None and fetcher_state["dataset_iter_state"] is not None:
+        it = iter(dataset)
+        if has_state(it):
+            it.load_state_dict(fetcher_state["dataset_iter_state"])
 
 
 def _skipping(batches: Iterator[Any], seq: int, consumed: set[int]) -> Iterator[Any]:
@@ -358,10 +392,10 @@ def begin_epoch(loader: Any, torch_iter: Callable[[], Any]) -> Any:
     elif plan.finished:  # the next epoch, from the RNG as it was when the state was taken
         if plan.rng_now is not None:
             set_rng_state(generator, plan.rng_now)
+        carry_into_next_epoch(loader, plan, persistent)
         start = EpochStart(plan.epoch + 1, rng_state(generator), fresh=not persistent, base_seed=plan.base_seed)
         if persistent:  # the workers carried on into it: no new base seed; they start from their snapshots
             loader._shm_resume_seed = (plan.base_seed, start.rng) if plan.base_seed is not None else None
-        if persistent or loader.num_workers == 0:  # (in process the dataset is the loader's own: it carried on)
             loader._shm_resume_plan = plan
         plan = None
     else:
@@ -417,7 +451,7 @@ def loader_state(loader: Any) -> dict[str, Any]:
     now = encode_rng(rng_state(generator))
     below = progress.consumed if progress.below < 0 else progress.below
     own = {"version": VERSION, "epoch": start.epoch, "fresh": start.fresh, "rng_start": encode_rng(start.rng),
-           "rng_now": now, "pulled": progress.pulled, "below": below, "ahead": list(progress.ahead),
+           "rng_now": now, "sampler_started": progress.pulled > 0, "below": below, "ahead": list(progress.ahead),
            "persistent": persistent}
     iter_state, sampler_state = progress.sampler_states
     main = {
@@ -434,8 +468,16 @@ def loader_state(loader: Any) -> dict[str, Any]:
     last = progress.last_worker
     if last is None:  # (map-style: round-robin from worker 0 at the epoch's start)
         last = (progress.consumed - 1) % num_workers
-    snapshots = {f"worker_{w}": {"worker_id": w, **(pickle.loads(progress.workers[w]) if w in progress.workers
-                                                    else _NO_SNAPSHOT)} for w in range(num_workers)}
+    iterable = loader._dataset_kind == _DatasetKind.Iterable
+
+    def snapshot(w: int) -> dict[str, Any]:
+        if w in progress.workers:
+            return {"worker_id": w, **pickle.loads(progress.workers[w])}
+        # a worker that has carried no snapshot: nothing of its own to save (as torchdata says it)
+        fetcher = {"dataset_iter_state": None, "fetcher_ended": w in progress.ended} if iterable else None
+        return {"worker_id": w, "dataset_state": None, "fetcher_state": fetcher}
+
+    snapshots = {f"worker_{w}": snapshot(w) for w in range(num_workers)}
     return {
         _SNAPSHOT: {"_snapshot_step": progress.consumed, "_last_yielded_worker_id": last,
                     _MAIN: {"_num_workers": num_workers, **main, "_base_seed": start.base_seed},

@@ -92,6 +92,7 @@ class Delivery:
         # (kept across epochs: a persistent worker's dataset carries on from it)
         self.dataset_states: dict[int, tuple[bytes, int]] = {}
         self.last_worker: int | None = None  # worker of the last delivered batch
+        self.ended: set[int] = set()  # workers whose shard ended in this epoch (an end of shard taken)
         self.consumed = ConsumedSeqs() if seqs else None
 
     def attach(self, ring: Ring) -> None:
@@ -105,6 +106,7 @@ class Delivery:
         """Results the new epoch dropped (their slots FREE) take their piped payloads along."""
         self.piped = {s: p for s, p in self.piped.items() if self.sched.state_of(s) != SlotState.FREE}
         self.last_worker = None
+        self.ended = set()
         if self.consumed is not None:
             self.consumed = ConsumedSeqs()
         if self.stager is not None:
@@ -246,6 +248,7 @@ class Delivery:
 
     def shard_ended(self, worker: int, snapshot: bytes) -> None:
         """``worker``'s shard ended, its dataset then as ``snapshot`` (b"": none carried)."""
+        self.ended.add(worker)
         if snapshot:
             self.dataset_states[worker] = (snapshot, self.sched.epoch)
 

@@ -32,7 +32,8 @@ class InProcessIterator(_SingleProcessDataLoaderIter):
         if plan is not None and not plan.finished:
             _checkpoint.position(self, plan, self._iterable, _checkpoint.resume_rng(loader, plan))
             self._pulled = plan.below
-        dataset_state, fetcher_state = (None, None) if plan is None else plan.in_process
+        # (a state taken after its epoch ended was carried into this one before: _checkpoint)
+        dataset_state, fetcher_state = (None, None) if plan is None or plan.finished else plan.in_process
         if dataset_state is not None and has_state(self._dataset):
             self._dataset.load_state_dict(dataset_state)  # before iter(dataset), which the fetcher calls
         self._dataset_fetcher = _DatasetKind.create_fetcher(
@@ -42,10 +43,9 @@ class InProcessIterator(_SingleProcessDataLoaderIter):
             it = fetcher.dataset_iter
             if fetcher_state["dataset_iter_state"] is not None and has_state(it):
                 it.load_state_dict(fetcher_state["dataset_iter_state"])
-                if plan is not None and plan.finished:  # that epoch had ended: this one begins anew
-                    fetcher.dataset_iter = iter(self._dataset)
-            fetcher.ended = bool(fetcher_state["fetcher_ended"]) and not (plan is not None and plan.finished)
-        self._snapshots = _checkpoint.Snapshots(getattr(loader, "snapshot_every_n_steps", 1), self)
+            fetcher.ended = bool(fetcher_state["fetcher_ended"])
+        # (torchdata's in-process state is always taken now: snapshot_every_n_steps is the workers')
+        _checkpoint.Snapshots(getattr(loader, "snapshot_every_n_steps", 1), self)  # (its value is checked)
 
     def _next_index(self) -> Any:
         index = next(self._sampler_iter)  # may raise StopIteration
@@ -58,7 +58,6 @@ class InProcessIterator(_SingleProcessDataLoaderIter):
         except StopIteration:
             self.finished = True
             raise
-        self._snapshots.stepped(self, self._num_yielded)
         return data
 
     def progress(self) -> _checkpoint.Progress:
@@ -76,4 +75,4 @@ class InProcessIterator(_SingleProcessDataLoaderIter):
             in_process=(dataset_state, fetcher_state))
 
     def checkpoint(self) -> tuple[_checkpoint.Progress, int]:
-        return self._snapshots.checkpoint(self)
+        return self.progress(), 0

@@ -96,6 +96,8 @@ class RingIterator(_BaseDataLoaderIter):
         self._waiter = Waiter(self._life, self._sched, self._delivery, self._counters)
         live.add(self)
         self._every = getattr(loader, "snapshot_every_n_steps", 1)
+        if plan is not None and plan.finished and not self._iterable:
+            _checkpoint.carry_sampler(self._index_sampler, plan)  # (persistent workers' next epoch)
         self._reset(loader, first_iter=True)
         if plan is not None:
             self._resume(loader, plan)
@@ -445,7 +447,8 @@ class RingIterator(_BaseDataLoaderIter):
         return _checkpoint.Progress(
             consumed, self.finished, self._pulled_before + self._sched.send_seq,
             {w: state for w, (state, _) in delivery.dataset_states.items()}, delivery.last_worker,
-            _checkpoint.sampler_states(self, consumed if below < 0 else below), below, ahead)
+            _checkpoint.sampler_states(self, consumed if below < 0 else below), below, ahead,
+            ended=frozenset(delivery.ended))
 
     def checkpoint(self) -> tuple[_checkpoint.Progress, int]:
         """``progress()`` at the latest snapshot (``snapshot_every_n_steps``), and the batches since."""

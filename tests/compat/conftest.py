@@ -21,11 +21,17 @@ LOADERS = ["torchdata", "shmloader", "installed"]
 
 
 @pytest.fixture(params=LOADERS)
-def SDL(request: pytest.FixtureRequest) -> Iterator[Any]:
+def kind(request: pytest.FixtureRequest) -> str:
+    """Which loader: one of LOADERS."""
+    return str(request.param)
+
+
+@pytest.fixture
+def SDL(kind: str) -> Iterator[Any]:
     """The loader class under test, called as upstream calls ``StatefulDataLoader``."""
-    if request.param == "torchdata":
+    if kind == "torchdata":
         yield StatefulDataLoader
-    elif request.param == "shmloader":
+    elif kind == "shmloader":
         yield shmloader.DataLoader
     else:
         shmloader.install(stateful_dataloader=True)

@@ -272,14 +272,16 @@ class CountIterCallsIter(torch.utils.data.IterableDataset[int]):
 
 
 class GatedIndexDataset(torch.utils.data.Dataset[int]):
-    """Item ``slow_index`` waits for ``gate`` (upstream sleeps 1 s there instead)."""
+    """Item ``slow_index`` is slow: as upstream's, which sleeps 1 s, it waits 1 s, unless its
+    ``gate`` opens first (the test opens it once the batches it must come after were taken)."""
 
-    def __init__(self, end: int, slow_index: int, gate: Any) -> None:
-        self.end, self.slow_index, self.gate = end, slow_index, gate
+    def __init__(self, end: int, slow_index: int) -> None:
+        self.end, self.slow_index = end, slow_index
+        self.gate = multiprocessing.Event()
 
     def __getitem__(self, idx: int) -> int:
         if idx == self.slow_index:
-            self.gate.wait(60)
+            self.gate.wait(1.0)
         return idx
 
     def __len__(self) -> int:
