@@ -181,10 +181,11 @@ class Plan:
     rng_start: torch.Tensor | None
     rng_now: torch.Tensor | None
     finished: bool
+    started: bool  # False: taken before the first iter(), which then draws as a fresh one would
     num_workers: int
     step: int  # batches consumed at the snapshot
     since: int  # consumed after it: produced again and dropped
-    sampler_started: bool  # the sampler had given a batch when the state was taken (and drawn its seed)
+    pulled: int  # batches the sampler had given when the state was taken (the workers prefetch)
     below: int  # map-style: the sampler's batches to skip
     ahead: tuple[int, ...]  # in_order=False: tasks above ``below`` already consumed
     sampler_states: tuple[Any, Any]
@@ -221,8 +222,8 @@ class Plan:
         return cls(
             epoch=int(own.get("epoch", 0)), fresh=bool(own.get("fresh", True)),
             base_seed=main.get("_base_seed"), rng_start=rng["rng_start"], rng_now=rng["rng_now"],
-            finished=finished, num_workers=num_workers, step=step, since=since,
-            sampler_started=bool(own.get("sampler_started", True)),
+            finished=finished, started=bool(own.get("started", True)), num_workers=num_workers, step=step, since=since,
+            pulled=int(own.get("pulled", 0)),
             below=int(own.get("below", main.get("_sampler_iter_yielded", step))),
             ahead=tuple(own.get("ahead", ())),
             sampler_states=(main.get("_sampler_iter_state"), main.get("_index_sampler_state")),
@@ -265,10 +266,12 @@ def position(it: Any, plan: Plan, iterable: bool, rng: Callable[[], None]) -> No
             for _ in range(plan.below):
                 if next(inner, _DONE) is _DONE:
                     break
-            if plan.sampler_started and not plan.below:  # it had drawn (its seed, for torch's): so does this one
-                first = next(inner, _DONE)
-                if first is not _DONE:
-                    inner = itertools.chain((first,), inner)
+            # The batches it had given ahead of the consumer are drawn now too, and kept: what it
+            # drew from the RNG for them (torch's RandomSampler: its seed, and at its end one more
+            # permutation) is in the RNG the state recorded (rng_now), as in the uninterrupted run.
+            ahead = list(itertools.islice(inner, max(0, plan.pulled - plan.below)))
+            if ahead:
+                inner = itertools.chain(ahead, inner)
         if plan.ahead:
             inner = _skipping(inner, plan.below, set(plan.ahead))
         if isinstance(sampler_iter, SamplerPulls):
@@ -389,6 +392,11 @@ def begin_epoch(loader: Any, torch_iter: Callable[[], Any]) -> Any:
         previous = loader._shm_epoch_start
         start = EpochStart(0 if previous is None else previous.epoch + 1, rng_state(generator),
                            fresh=not (persistent and loader._iterator is not None))
+    elif not plan.started:  # taken before the loader's first iter(): that epoch, from the RNG then
+        if plan.rng_now is not None:
+            set_rng_state(generator, plan.rng_now)
+        start = EpochStart(plan.epoch, rng_state(generator), fresh=True)
+        plan = None
     elif plan.finished:  # the next epoch, from the RNG as it was when the state was taken
         if plan.rng_now is not None:
             set_rng_state(generator, plan.rng_now)
@@ -405,6 +413,11 @@ def begin_epoch(loader: Any, torch_iter: Callable[[], Any]) -> Any:
         if plan.base_seed is not None and (not start.fresh or plan.rng_start is None):
             loader._shm_resume_seed = (plan.base_seed, start.rng)  # the seed that epoch's workers had
         loader._shm_resume_plan = plan
+    return _begun(loader, torch_iter, start, plan)
+
+
+def _begun(loader: Any, torch_iter: Callable[[], Any], start: EpochStart, plan: Plan | None) -> Any:
+    """``iter(loader)`` with the epoch's start recorded, and a resumed one where ``plan`` says."""
     try:
         it = torch_iter()
     finally:
@@ -442,17 +455,19 @@ def loader_state(loader: Any) -> dict[str, Any]:
     start = loader._shm_epoch_start
     num_workers = loader.num_workers
     generator = loader.generator
-    if mark is None or start is None:  # nothing iterated yet: the first epoch, from the RNG as it is now
-        rng = rng_state(generator)
-        start = EpochStart(0 if start is None else start.epoch + 1, rng, True)
+    started = mark is not None and start is not None
+    if not started:  # nothing iterated yet: the first epoch, from the RNG as it is now
+        start = EpochStart(0, rng_state(generator), True)
         mark = (Progress(0, False, 0, {}, None), 0)
+    assert mark is not None and start is not None
     progress, since = mark
     persistent = loader.persistent_workers and num_workers > 0
     now = encode_rng(rng_state(generator))
+    iterable = loader._dataset_kind == _DatasetKind.Iterable
     below = progress.consumed if progress.below < 0 else progress.below
     own = {"version": VERSION, "epoch": start.epoch, "fresh": start.fresh, "rng_start": encode_rng(start.rng),
-           "rng_now": now, "sampler_started": progress.pulled > 0, "below": below, "ahead": list(progress.ahead),
-           "persistent": persistent}
+           "rng_now": now, "pulled": 0 if iterable else progress.pulled, "below": below, "ahead": list(progress.ahead),
+           "started": started}
     iter_state, sampler_state = progress.sampler_states
     main = {
         "_sampler_iter_state": iter_state,
@@ -468,7 +483,6 @@ def loader_state(loader: Any) -> dict[str, Any]:
     last = progress.last_worker
     if last is None:  # (map-style: round-robin from worker 0 at the epoch's start)
         last = (progress.consumed - 1) % num_workers
-    iterable = loader._dataset_kind == _DatasetKind.Iterable
 
     def snapshot(w: int) -> dict[str, Any]:
         if w in progress.workers:

@@ -72,6 +72,7 @@ def worker_configs(it: Any, worker_init_fn: Callable[[int], None] | None, base_s
             parent_pid=os.getpid(),
             parent_check_s=parent_check_s,
             dataset_state=dataset_states.get(i, b""),
+            dataset_state_epoch=0,  # (the iterator's first epoch: a worker given no task in it starts anew after)
             dataset_state_done=done,
         )
         for i in range(it._num_workers)
@@ -125,7 +126,7 @@ class Producer:
         if not self.cfg.iterable:
             if self._epoch is None:
                 self._epoch = epoch
-                saved = self._saved(epoch)
+                saved = self._saved(epoch)[0]
                 if saved is not None and saved["dataset_state"] is not None:
                     ds.load_state_dict(saved["dataset_state"])
             if not self.cfg.auto_collation:
@@ -153,20 +154,23 @@ class Producer:
             raise StopIteration
         return data
 
-    def _saved(self, epoch: int) -> dict[str, Any] | None:
-        """The snapshot this worker starts from, at its first task, if that task's epoch is its."""
+    def _saved(self, epoch: int) -> tuple[dict[str, Any] | None, bool]:
+        """The snapshot this worker starts from, at its first task, and whether it was taken after
+        its epoch ended: so if it is of an earlier epoch than this task's (the worker had no task
+        in it: its shard had ended)."""
         cfg = self.cfg
-        if not cfg.dataset_state or cfg.dataset_state_epoch not in (None, epoch):
-            return None
+        if not cfg.dataset_state or (cfg.dataset_state_epoch is not None and epoch < cfg.dataset_state_epoch):
+            return None, False
+        done = cfg.dataset_state_done or (cfg.dataset_state_epoch is not None and epoch > cfg.dataset_state_epoch)
         saved: dict[str, Any] = pickle.loads(cfg.dataset_state)
-        return saved
+        return saved, done
 
     def _begin(self, epoch: int) -> None:
         """An IterableDataset's epoch: ``iter(dataset)``; at the first, from the saved snapshot in
         torchdata's order: the dataset's state, then ``iter()``, then the iterator's state."""
         ds = self.cfg.dataset
         it, ended = None, False
-        saved = self._saved(epoch) if self._epoch is None else None
+        saved, done = self._saved(epoch) if self._epoch is None else (None, False)
         if saved is not None:
             if saved["dataset_state"] is not None:
                 ds.load_state_dict(saved["dataset_state"])
@@ -176,7 +180,7 @@ class Producer:
                 if fetcher["dataset_iter_state"] is not None and has_state(it):
                     it.load_state_dict(fetcher["dataset_iter_state"])
                 ended = bool(fetcher["fetcher_ended"])
-            if self.cfg.dataset_state_done:  # that epoch had ended: this one begins anew
+            if done:  # that epoch had ended: this one begins anew
                 it, ended = None, False
         self._epoch, self._iter, self._ended = epoch, iter(ds) if it is None else it, ended
         self._iter_state = has_state(self._iter)
