@@ -47,6 +47,9 @@ from shmloader.worker.produce import has_state
 
 VERSION = 2
 OWN = "_shmloader"  # shmloader's part of a state dict
+# In a worker's snapshot: taken after that worker's epoch ended (persistent workers, before they
+# delivered in the next one): a resume loads it and begins the epoch anew.
+EARLIER = "_shmloader_epoch_ended"
 _SNAPSHOT, _MAIN, _WORKERS = "_snapshot", "_main_snapshot", "_worker_snapshots"
 
 
@@ -107,6 +110,7 @@ class Progress:
     ahead: tuple[int, ...] = ()  # in_order=False: the tasks consumed above ``below``
     in_process: tuple[Any, Any] = (None, None)  # num_workers=0: (dataset_state, fetcher_state)
     ended: frozenset[int] = frozenset()  # workers whose shard ended (an IterableDataset's)
+    earlier: frozenset[int] = frozenset()  # workers whose snapshot is of an earlier epoch (persistent workers)
 
 
 class Snapshots:
@@ -190,6 +194,7 @@ class Plan:
     ahead: tuple[int, ...]  # in_order=False: tasks above ``below`` already consumed
     sampler_states: tuple[Any, Any]
     workers: dict[int, bytes]  # worker -> pickled snapshot, for its config
+    earlier: frozenset[int]  # workers whose snapshot was taken after their epoch ended (they begin this one anew)
     last_worker: int | None
     in_process: tuple[Any, Any]
 
@@ -206,11 +211,12 @@ class Plan:
             workers = {int(key.rsplit("_", 1)[1]): pickle.dumps({"dataset_state": sd.get("dataset_state"),
                                                                   "fetcher_state": sd.get("fetcher_state")})
                        for key, sd in snap[_WORKERS].items() if sd and holds_position(sd)}
+            earlier = frozenset(int(key.rsplit("_", 1)[1]) for key, sd in snap[_WORKERS].items() if sd and sd.get(EARLIER))
             step, num_workers, last = int(snap["_snapshot_step"]), int(main["_num_workers"]), snap["_last_yielded_worker_id"]
             in_process: tuple[Any, Any] = (None, None)
             since = int(state.get("_steps_since_snapshot", 0))
         elif "_num_yielded" in state:
-            main, workers, last, num_workers = state, {}, None, 0
+            main, workers, last, num_workers, earlier = state, {}, None, 0, frozenset()
             step, since = int(state["_num_yielded"]), 0
             in_process = (state.get("dataset_state"), state.get("fetcher_state"))
         else:
@@ -227,19 +233,17 @@ class Plan:
             below=int(own.get("below", main.get("_sampler_iter_yielded", step))),
             ahead=tuple(own.get("ahead", ())),
             sampler_states=(main.get("_sampler_iter_state"), main.get("_index_sampler_state")),
-            workers=workers, last_worker=None if last is None else int(last), in_process=in_process,
+            workers=workers, earlier=earlier, last_worker=None if last is None else int(last), in_process=in_process,
         )
 
-    def worker_states(self) -> tuple[dict[int, bytes], bool]:
-        """What the workers of the resumed iterator start from, and whether it was taken after its
-        epoch ended (they then load it and begin the next one)."""
-        return self.workers, self.finished
+    def done(self, worker: int) -> bool:
+        """Whether ``worker``'s snapshot was taken after its epoch ended: it loads it and begins
+        the resumed epoch anew (every worker's, for a state taken after the epoch ended)."""
+        return self.finished or worker in self.earlier
 
     def active(self, num_workers: int) -> list[bool]:
-        """Workers whose shard goes on: not those whose snapshot says it ended."""
-        if self.finished:
-            return [True] * num_workers
-        return [not (w in self.workers and _ended(self.workers[w])) for w in range(num_workers)]
+        """Workers whose shard goes on: not those whose snapshot says it ended in this epoch."""
+        return [self.done(w) or not (w in self.workers and _ended(self.workers[w])) for w in range(num_workers)]
 
 
 def holds_position(snapshot: dict[str, Any]) -> bool:
@@ -486,7 +490,8 @@ def loader_state(loader: Any) -> dict[str, Any]:
 
     def snapshot(w: int) -> dict[str, Any]:
         if w in progress.workers:
-            return {"worker_id": w, **pickle.loads(progress.workers[w])}
+            extra = {EARLIER: True} if w in progress.earlier else {}
+            return {"worker_id": w, **pickle.loads(progress.workers[w]), **extra}
         # a worker that has carried no snapshot: nothing of its own to save (as torchdata says it)
         fetcher = {"dataset_iter_state": None, "fetcher_ended": w in progress.ended} if iterable else None
         return {"worker_id": w, "dataset_state": None, "fetcher_state": fetcher}

@@ -89,8 +89,8 @@ class RingIterator(_BaseDataLoaderIter):
         plan: _checkpoint.Plan | None = loader._shm_resume_plan
         self._delivery = Delivery(self._sched, self._broker, self._counters, self._iterable or has_state(self._dataset),
                                   seqs=not loader.in_order and not self._iterable)
-        states, done = ({}, False) if plan is None else plan.worker_states()
-        configs = worker_configs(self, loader.worker_init_fn, int(self._base_seed), PARENT_CHECK_S, states, done)
+        configs = worker_configs(self, loader.worker_init_fn, int(self._base_seed), PARENT_CHECK_S,
+                                 {} if plan is None else plan.workers, (lambda w: False) if plan is None else plan.done)
         self._life = Lifecycle(loader.multiprocessing_context or torch.multiprocessing, configs, self._sched,
                                self._delivery, self._broker, self._counters)
         self._waiter = Waiter(self._life, self._sched, self._delivery, self._counters)
@@ -106,7 +106,7 @@ class RingIterator(_BaseDataLoaderIter):
     def _resume(self, loader: Any, plan: _checkpoint.Plan) -> None:
         """Start where ``plan``'s snapshot was (``_checkpoint``'s NOTE): each worker's snapshot
         (given to its config), round-robin after the last worker that delivered, the sampler."""
-        self._delivery.dataset_states = {w: (state, -1 if plan.finished else 0) for w, state in plan.workers.items()}
+        self._delivery.dataset_states = {w: (state, -1 if plan.done(w) else 0) for w, state in plan.workers.items()}
         if plan.finished:
             return  # a new epoch
         if not _checkpoint.plan_keeps_position(plan, self._dataset, self._iterable):
@@ -448,7 +448,8 @@ class RingIterator(_BaseDataLoaderIter):
             consumed, self.finished, self._pulled_before + self._sched.send_seq,
             {w: state for w, (state, _) in delivery.dataset_states.items()}, delivery.last_worker,
             _checkpoint.sampler_states(self, consumed if below < 0 else below), below, ahead,
-            ended=frozenset(delivery.ended))
+            ended=frozenset(delivery.ended),
+            earlier=frozenset(w for w, (_, epoch) in delivery.dataset_states.items() if epoch != self._sched.epoch))
 
     def checkpoint(self) -> tuple[_checkpoint.Progress, int]:
         """``progress()`` at the latest snapshot (``snapshot_every_n_steps``), and the batches since."""

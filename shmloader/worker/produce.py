@@ -54,10 +54,10 @@ class WorkerConfig:
 
 
 def worker_configs(it: Any, worker_init_fn: Callable[[int], None] | None, base_seed: int, parent_check_s: float,
-                   dataset_states: dict[int, bytes], done: bool) -> list[WorkerConfig]:
+                   dataset_states: dict[int, bytes], done: Callable[[int], bool]) -> list[WorkerConfig]:
     """One config per worker of ``it`` (a torch ``_BaseDataLoaderIter``: its dataset, collate and
-    counts), each starting from its snapshot in ``dataset_states`` (a checkpoint's; ``done``: taken
-    after the epoch ended)."""
+    counts), each starting from its snapshot in ``dataset_states`` (a checkpoint's; ``done(w)``:
+    taken after that worker's epoch ended)."""
     return [
         WorkerConfig(
             worker_id=i,
@@ -73,7 +73,7 @@ def worker_configs(it: Any, worker_init_fn: Callable[[int], None] | None, base_s
             parent_check_s=parent_check_s,
             dataset_state=dataset_states.get(i, b""),
             dataset_state_epoch=0,  # (the iterator's first epoch: a worker given no task in it starts anew after)
-            dataset_state_done=done,
+            dataset_state_done=done(i),
         )
         for i in range(it._num_workers)
     ]

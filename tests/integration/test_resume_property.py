@@ -1,0 +1,148 @@
+"""Resumes at random points equal one uninterrupted run of torch's own DataLoader.
+
+A run is a stream of events: each batch yielded, and each epoch's end (its StopIteration). A
+state taken after a batch is taken inside the loop (the last batch too: its resume yields the
+empty rest of that epoch); one taken after an epoch's end resumes into the next epoch. After
+each state the loader is dropped, torch's global RNG is moved elsewhere (a new process's), and
+a new loader built on the same arguments loads the state and goes on. Up to three such
+resumes in one run (chained: a state taken soon after a resume, before every worker has
+delivered, included), over three epochs. What the run yields, epoch by epoch, must be what
+torch's DataLoader yields uninterrupted from the same seed: contents, order and epoch lengths.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any, Callable
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import Dataset
+
+import shmloader
+from tests.conftest import examples
+from tests.datasets import Shards, StatefulShards
+
+EPOCHS = 3
+N, BS = 14, 3  # 5 batches an epoch, the last one short
+
+
+class Range(Dataset[list[int]]):
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> list[int]:
+        return [i]
+
+
+class Noisy(Dataset[list[int]]):
+    """Each item draws from torch's global RNG (a worker's, seeded as torch seeds it), which its
+    state carries: a resume is exact only if every worker's RNG goes on where it was."""
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> list[int]:
+        return [i, int(torch.randint(1000, ()).item())]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["rng"])
+
+
+def flat(batch: Any) -> list[int]:
+    """A batch's values: a tensor, or (default collate of lists) a list of tensors."""
+    parts = batch if isinstance(batch, list) else [batch]
+    return [x for part in parts for x in part.flatten().tolist()]
+
+
+def factory(cls: Any, dataset: str, workers: int, persistent: bool, shuffle: str) -> Callable[[], Any]:
+    def make() -> Any:
+        kw: dict[str, Any] = {"batch_size": BS, "num_workers": workers, "persistent_workers": persistent}
+        if dataset == "iterable":
+            return cls(Shards(N), **kw)
+        if dataset == "iterable-stateful":
+            return cls(StatefulShards(N), **kw)
+        if shuffle == "generator":
+            kw["generator"] = torch.Generator().manual_seed(7)
+        return cls(Noisy() if dataset == "map-stateful" else Range(), shuffle=shuffle != "none", **kw)
+    return make
+
+
+def close(loader: Any) -> None:
+    if loader._iterator is not None and hasattr(loader._iterator, "_shutdown_workers"):
+        loader._iterator._shutdown_workers()
+
+
+def uninterrupted(make: Callable[[], Any]) -> list[list[list[int]]]:
+    torch.manual_seed(0)
+    loader = make()
+    epochs = [[flat(b) for b in loader] for _ in range(EPOCHS)]
+    close(loader)
+    return epochs
+
+
+def interrupted(make: Callable[[], Any], cuts: set[int]) -> list[list[list[int]]]:
+    torch.manual_seed(0)
+    loader = make()
+    events = 0
+
+    def resumed(old: Any) -> Any:
+        state = pickle.loads(pickle.dumps(old.state_dict()))  # (as a checkpoint file holds it)
+        close(old)
+        torch.manual_seed(1234)  # the resumed process's global RNG is somewhere else
+        new = make()
+        new.load_state_dict(state)
+        return new
+
+    epochs = []
+    for _ in range(EPOCHS):
+        batches = []
+        it = iter(loader)
+        while True:
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            batches.append(flat(batch))
+            events += 1
+            if events in cuts:  # inside the loop
+                del it
+                loader = resumed(loader)
+                it = iter(loader)
+        epochs.append(batches)
+        events += 1
+        if events in cuts:  # after the epoch's end
+            del it
+            loader = resumed(loader)
+    close(loader)
+    return epochs
+
+
+@st.composite
+def runs(draw: st.DrawFn) -> tuple[str, int, bool, str, set[int]]:
+    dataset = draw(st.sampled_from(["map", "map-stateful", "iterable", "iterable-stateful"]))
+    workers = draw(st.integers(0, 3))
+    persistent = workers > 0 and draw(st.booleans())
+    shuffle = "none" if dataset.startswith("iterable") else draw(st.sampled_from(["none", "global", "generator"]))
+    total = EPOCHS * (N // BS + 2)  # events: an epoch's batches (at most 5 with 3 workers' shards) and its end
+    gaps = draw(st.lists(st.integers(1, 8), min_size=1, max_size=3))  # small gaps: chained resumes
+    first = draw(st.integers(0, total))
+    cuts = set()
+    at = first
+    for gap in gaps:
+        cuts.add(at)
+        at += gap
+    return dataset, workers, persistent, shuffle, {c for c in cuts if 0 < c <= total}
+
+
+@settings(max_examples=examples(40), deadline=None, print_blob=True)
+@given(runs())
+def test_resumes_equal_torchs_uninterrupted_run(run: tuple[str, int, bool, str, set[int]]) -> None:
+    dataset, workers, persistent, shuffle, cuts = run
+    want = uninterrupted(factory(torch.utils.data.DataLoader, dataset, workers, persistent, shuffle))
+    got = interrupted(factory(shmloader.DataLoader, dataset, workers, persistent, shuffle), cuts)
+    assert got == want, (run, got, want)
