@@ -113,6 +113,11 @@ class Progress:
     earlier: frozenset[int] = frozenset()  # workers whose snapshot is of an earlier epoch (persistent workers)
 
 
+def check_snapshot_every(every: Any) -> None:
+    if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 0):
+        raise ValueError(f"snapshot_every_n_steps should be a non-negative int or None, but got {every!r}")
+
+
 class Snapshots:
     """``snapshot_every_n_steps``: an iterator's progress at the latest multiple of n batches (and
     at the epoch's start); with n == 1, its progress now: nothing is kept. It does not hold the
@@ -121,8 +126,6 @@ class Snapshots:
     __slots__ = ("every", "taken")
 
     def __init__(self, every: int | None, it: Any) -> None:
-        if every is not None and (not isinstance(every, int) or every < 0):
-            raise ValueError(f"snapshot_every_n_steps should be a non-negative int or None, but got {every!r}")
         self.every = every or 0
         self.taken: Progress | None = None if self.every == 1 else it.progress()
 

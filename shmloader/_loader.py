@@ -187,6 +187,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
+        _checkpoint.check_snapshot_every(snapshot_every_n_steps)
         self.snapshot_every_n_steps = snapshot_every_n_steps
         attach_options(self, slot_bytes=slot_bytes, device=device, device_prefetch=device_prefetch,
                        memory_budget=memory_budget, max_worker_restarts=max_worker_restarts)

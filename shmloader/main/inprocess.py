@@ -28,24 +28,23 @@ class InProcessIterator(_SingleProcessDataLoaderIter):
         self._iterable = self._dataset_kind == _DatasetKind.Iterable
         self._pulled = 0  # batches of indices taken from the sampler
         self.finished = False  # StopIteration was raised
+        # (a state taken after its epoch ended was carried into the next one before: no plan then)
         plan: _checkpoint.Plan | None = loader._shm_resume_plan
-        if plan is not None and not plan.finished:
+        if plan is not None:
             _checkpoint.position(self, plan, self._iterable, _checkpoint.resume_rng(loader, plan))
             self._pulled = plan.below
-        # (a state taken after its epoch ended was carried into this one before: _checkpoint)
-        dataset_state, fetcher_state = (None, None) if plan is None or plan.finished else plan.in_process
-        if dataset_state is not None and has_state(self._dataset):
-            self._dataset.load_state_dict(dataset_state)  # before iter(dataset), which the fetcher calls
-        self._dataset_fetcher = _DatasetKind.create_fetcher(
-            self._dataset_kind, self._dataset, self._auto_collation, self._collate_fn, self._drop_last)
+        dataset_state, fetcher_state = (None, None) if plan is None else plan.in_process
+        dataset: Any = self._dataset
+        if dataset_state is not None and has_state(dataset):
+            dataset.load_state_dict(dataset_state)  # before iter(dataset), which the fetcher calls
+        self._dataset_fetcher = _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
+            self._dataset_kind, dataset, self._auto_collation, self._collate_fn, self._drop_last)
         if self._iterable and fetcher_state is not None:
             fetcher = self._dataset_fetcher
             it = fetcher.dataset_iter
             if fetcher_state["dataset_iter_state"] is not None and has_state(it):
                 it.load_state_dict(fetcher_state["dataset_iter_state"])
             fetcher.ended = bool(fetcher_state["fetcher_ended"])
-        # (torchdata's in-process state is always taken now: snapshot_every_n_steps is the workers')
-        _checkpoint.Snapshots(getattr(loader, "snapshot_every_n_steps", 1), self)  # (its value is checked)
 
     def _next_index(self) -> Any:
         index = next(self._sampler_iter)  # may raise StopIteration
@@ -75,4 +74,6 @@ class InProcessIterator(_SingleProcessDataLoaderIter):
             in_process=(dataset_state, fetcher_state))
 
     def checkpoint(self) -> tuple[_checkpoint.Progress, int]:
+        """As torchdata's in-process iterator: always its progress now (snapshot_every_n_steps is
+        the workers')."""
         return self.progress(), 0

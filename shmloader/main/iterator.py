@@ -87,8 +87,9 @@ class RingIterator(_BaseDataLoaderIter):
         self._sched = Scheduler(cap, self._num_workers, cap, in_order=loader.in_order)
         self._broker = OverflowBroker(loader._shm_memory, self._memory_budget, loader.in_order, self._loader)
         plan: _checkpoint.Plan | None = loader._shm_resume_plan
-        self._delivery = Delivery(self._sched, self._broker, self._counters, self._iterable or has_state(self._dataset),
-                                  seqs=not loader.in_order and not self._iterable)
+        seqs = not loader.in_order and not self._iterable  # (which tasks were consumed: not a prefix)
+        self._delivery = Delivery(self._sched, self._broker, self._counters,
+                                  self._iterable or has_state(self._dataset) or seqs, seqs=seqs)
         configs = worker_configs(self, loader.worker_init_fn, int(self._base_seed), PARENT_CHECK_S,
                                  {} if plan is None else plan.workers, (lambda w: False) if plan is None else plan.done)
         self._life = Lifecycle(loader.multiprocessing_context or torch.multiprocessing, configs, self._sched,

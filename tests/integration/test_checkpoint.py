@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import multiprocessing
 import pickle
 from collections.abc import Callable
 from typing import Any
@@ -173,3 +175,37 @@ def test_a_stateful_iterable_dataset_resumes_from_its_own_state(workers: int, k:
         assert resumed.stats().batches == len(rest)  # nothing was produced again and dropped
     assert epochs_of(resumed, 1) == want[1:]
     close(resumed)
+
+
+class SlowOne(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Item 3 waits for ``gate``: with in_order=False the batches after it come first."""
+
+    def __init__(self, n: int, gate: Any) -> None:
+        self.n, self.gate = n, gate
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if i == 3:
+            self.gate.wait(60)
+        return i
+
+
+@pytest.mark.parametrize("k", [4, 9])
+def test_an_out_of_order_epoch_resumes_exactly(k: int) -> None:
+    # The batches consumed are not a prefix of the sampler's: the state says which tasks were,
+    # and the resumed epoch makes exactly the others, each once.
+    gate = multiprocessing.Event()
+    first = shmloader.DataLoader(SlowOne(24, gate), batch_size=None, num_workers=2, in_order=False)
+    it = iter(first)
+    head = [int(next(it)) for _ in range(k)]
+    assert 3 not in head
+    state = json.loads(json.dumps(first.state_dict()))
+    gate.set()
+    del it
+    close(first)
+    resumed = shmloader.DataLoader(SlowOne(24, gate), batch_size=None, num_workers=2, in_order=False)
+    resumed.load_state_dict(state)
+    rest = [int(b) for b in resumed]
+    assert sorted(head + rest) == list(range(24))
