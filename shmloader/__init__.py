@@ -13,6 +13,7 @@ from shmloader._errors import CorruptSlotError as CorruptSlotError
 from shmloader._errors import MemoryBudgetError as MemoryBudgetError
 from shmloader._errors import SharedMemoryFullError as SharedMemoryFullError
 from shmloader._errors import ShmLoaderError as ShmLoaderError
+from shmloader._errors import StateMismatchError as StateMismatchError
 from shmloader._errors import WorkerDiedError as WorkerDiedError
 
 import sys as _sys
@@ -76,6 +77,7 @@ __all__ = [
     "SharedList",
     "SharedMemoryFullError",
     "ShmLoaderError",
+    "StateMismatchError",
     "WorkerDiedError",
     "get_worker_info",
     "install",

@@ -13,13 +13,18 @@ samplers exactly. Everything shmloader writes is what JSON holds; what the datas
 iterator and the sampler return from their own ``state_dict()`` is stored as they made it.
 
 NOTE [ What a resume restores, in order ]
-1. The sampling RNG (``generator``, or torch's global RNG) goes back to where the epoch began,
-   so the iterator's base seed and torch's samplers draw what they drew then.
+0. ``load_state_dict()`` sets the sampling RNG (``generator``, or torch's global RNG) to where it
+   was when the state was taken (``rng_now``): what is drawn after that point (the next epoch's
+   shuffle, a sampler's first draw not made yet, the program's own draws) is the uninterrupted
+   run's. A framework that restores torch's RNG with its checkpoint after loading the loader's
+   state (Accelerate does) keeps its own: the loader takes the RNG as it finds it at ``iter()``.
+1. At ``iter()`` the sampling RNG goes back to where the epoch began, so the iterator's base
+   seed and torch's samplers draw what they drew then.
 2. The sampler is put where the snapshot was: a stateful index sampler or its iterator
    (torchdata's, or one with ``state_dict()``/``load_state_dict()``) loads its own state;
-   otherwise its first k batches of indices are drawn and dropped (nothing is loaded).
-3. The RNG is set to where it was when the state was taken (``rng_now``): draws made after the
-   state (the next epoch's shuffle, the program's own) are the uninterrupted run's.
+   otherwise its first k batches of indices are drawn and dropped (nothing is loaded), and
+   those it had given ahead of the consumer are drawn and kept.
+3. The RNG is put back as ``iter()`` found it.
 4. Datasets: every worker starts from its snapshot (torchdata's worker snapshot: the dataset's
    ``state_dict()``, and for an IterableDataset its iterator's and whether its shard ended),
    loaded in torchdata's order: ``dataset.load_state_dict``, ``iter(dataset)``, then the
@@ -42,7 +47,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data.dataloader import _DatasetKind
 
-from shmloader._errors import ShmLoaderError
+from shmloader._errors import ShmLoaderError, StateMismatchError
 from shmloader.worker.produce import has_state
 
 VERSION = 2
@@ -51,11 +56,6 @@ OWN = "_shmloader"  # shmloader's part of a state dict
 # delivered in the next one): a resume loads it and begins the epoch anew.
 EARLIER = "_shmloader_epoch_ended"
 _SNAPSHOT, _MAIN, _WORKERS = "_snapshot", "_main_snapshot", "_worker_snapshots"
-
-
-class StateMismatchError(ShmLoaderError, ValueError, AssertionError):
-    """A state dict that this loader cannot resume from (another ``num_workers``, another kind
-    of loader). Also an AssertionError, as torchdata raises on a worker-count mismatch."""
 
 
 def state_of(obj: Any) -> Any:
@@ -186,7 +186,7 @@ class Plan:
     fresh: bool
     base_seed: int | None
     rng_start: torch.Tensor | None
-    rng_now: torch.Tensor | None
+    rng_now: torch.Tensor | None  # when the state was taken; in a resumed iter(): as iter() found it
     finished: bool
     started: bool  # False: taken before the first iter(), which then draws as a fresh one would
     num_workers: int
@@ -203,7 +203,11 @@ class Plan:
 
     @classmethod
     def of(cls, state: dict[str, Any]) -> Plan:
-        own = state.get(OWN) or {}
+        own = state.get(OWN)
+        if own is None and ("_snapshot" in state or "_num_yielded" in state):
+            raise ValueError("this state was taken by torchdata's own StatefulDataLoader iterator: resume it "
+                             "without shmloader.install(stateful_dataloader=True), or take it under install()")
+        own = own or {}
         if own.get("version", VERSION) != VERSION:
             raise ValueError(f"state dict version {own['version']} is not supported (this shmloader writes {VERSION})")
         rng = {k: None if own.get(k) is None else decode_rng(own[k]) for k in ("rng_start", "rng_now")}
@@ -275,7 +279,7 @@ def position(it: Any, plan: Plan, iterable: bool, rng: Callable[[], None]) -> No
                     break
             # The batches it had given ahead of the consumer are drawn now too, and kept: what it
             # drew from the RNG for them (torch's RandomSampler: its seed, and at its end one more
-            # permutation) is in the RNG the state recorded (rng_now), as in the uninterrupted run.
+            # permutation) was drawn before the state was taken, as now.
             ahead = list(itertools.islice(inner, max(0, plan.pulled - plan.below)))
             if ahead:
                 inner = itertools.chain(ahead, inner)
@@ -399,14 +403,10 @@ def begin_epoch(loader: Any, torch_iter: Callable[[], Any]) -> Any:
         previous = loader._shm_epoch_start
         start = EpochStart(0 if previous is None else previous.epoch + 1, rng_state(generator),
                            fresh=not (persistent and loader._iterator is not None))
-    elif not plan.started:  # taken before the loader's first iter(): that epoch, from the RNG then
-        if plan.rng_now is not None:
-            set_rng_state(generator, plan.rng_now)
+    elif not plan.started:  # taken before the loader's first iter(): that epoch, from the RNG (NOTE, 0)
         start = EpochStart(plan.epoch, rng_state(generator), fresh=True)
         plan = None
-    elif plan.finished:  # the next epoch, from the RNG as it was when the state was taken
-        if plan.rng_now is not None:
-            set_rng_state(generator, plan.rng_now)
+    elif plan.finished:  # the next epoch, from the RNG (NOTE, 0)
         carry_into_next_epoch(loader, plan, persistent)
         start = EpochStart(plan.epoch + 1, rng_state(generator), fresh=not persistent, base_seed=plan.base_seed)
         if persistent:  # the workers carried on into it: no new base seed; they start from their snapshots
@@ -414,8 +414,9 @@ def begin_epoch(loader: Any, torch_iter: Callable[[], Any]) -> Any:
             loader._shm_resume_plan = plan
         plan = None
     else:
-        start = EpochStart(plan.epoch, rng_state(generator) if plan.rng_start is None else plan.rng_start,
-                           plan.fresh, plan.base_seed)
+        found = rng_state(generator)
+        plan = dataclasses.replace(plan, rng_now=found)  # (put back once the iterator is positioned)
+        start = EpochStart(plan.epoch, found if plan.rng_start is None else plan.rng_start, plan.fresh, plan.base_seed)
         set_rng_state(generator, start.rng)
         if plan.base_seed is not None and (not start.fresh or plan.rng_start is None):
             loader._shm_resume_seed = (plan.base_seed, start.rng)  # the seed that epoch's workers had
@@ -446,7 +447,7 @@ def _begun(loader: Any, torch_iter: Callable[[], Any], start: EpochStart, plan: 
 
 
 def resume_rng(loader: Any, plan: Plan) -> Callable[[], None]:
-    """Step 3 of the NOTE, for ``position``."""
+    """Step 3 of the NOTE, for ``position``: the RNG as ``iter()`` found it."""
     def now() -> None:
         if plan.rng_now is not None:
             set_rng_state(loader.generator, plan.rng_now)
@@ -520,5 +521,7 @@ def load_loader_state(loader: Any, state: dict[str, Any]) -> None:
     if not state:  # torchdata's: an empty state changes nothing
         loader._shm_resume = None
         return
-    Plan.of(state)  # refused now if it is not a state at all
+    plan = Plan.of(state)  # refused now if it is not a state at all
+    if plan.rng_now is not None:  # (NOTE, 0)
+        set_rng_state(loader.generator, plan.rng_now)
     loader._shm_resume = state

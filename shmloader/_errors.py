@@ -36,6 +36,11 @@ class MemoryBudgetError(ShmLoaderError, MemoryError):
     """``memory_budget`` cannot hold one slot per worker, or one batch beside the ring."""
 
 
+class StateMismatchError(ShmLoaderError, ValueError, AssertionError):
+    """A state dict this loader cannot resume from (taken with another ``num_workers``). Also an
+    AssertionError, the type torchdata's ``StatefulDataLoader`` raises for it."""
+
+
 class StopCarrier(RuntimeError):
     """A worker's StopIteration (the dataset or collate_fn raised it) on its way out of
     ``next()``: inside the loader it passes generators, which would turn a StopIteration into

@@ -221,9 +221,9 @@ def test_a_stateful_dataloader_is_left_alone_unless_opted_in(ring: None) -> None
         it = iter(opted)
         assert [next(it).flatten().tolist() for _ in range(2)] == [[0, 1], [2, 3]]
         state = opted.state_dict()
-        assert isinstance(it, RingIterator) and state["yielded"] == 2
-        with pytest.raises(ValueError, match="not a shmloader DataLoader state dict.*torchdata's StatefulDataLoader state"):
-            opted.load_state_dict(torchdata_state)  # torchdata's own format: refused, clearly
+        assert isinstance(it, RingIterator) and state["_snapshot"]["_snapshot_step"] == 2
+        with pytest.raises(ValueError, match="taken by torchdata's own StatefulDataLoader iterator"):
+            opted.load_state_dict(torchdata_state)  # one taken by torchdata's own iterator: refused, clearly
         del it
         resumed = StatefulDataLoader(Range(8), batch_size=2, num_workers=2)
         resumed.load_state_dict(state)

@@ -80,7 +80,8 @@ def test_rich_nested_batches_equal_default_collate() -> None:
 
 def test_num_workers_zero_is_torchs_loader() -> None:
     loader = shmloader.DataLoader(Rich(10), batch_size=3)
-    assert type(iter(loader)).__name__ == "_SingleProcessDataLoaderIter"
+    # torch's own in-process iterator (a subclass that also says where it is, for state_dict())
+    assert isinstance(iter(loader), torch.utils.data.dataloader._SingleProcessDataLoaderIter)
     same(list(loader), reference(Rich(10), batch_size=3))
 
 
