@@ -3,12 +3,13 @@
 #             spawn/forkserver, frameworks, examples, bench CLI), property tests at a fifth of their examples
 # make bench  `shmloader bench --quick`: shmloader vs torch (and SPDL, torchdata) side by side
 # make soak   the long soak tests (marked 'soak', outside the default run)
+# make peer   torchdata's rewritten suite through torchdata's own loader too (marked 'peer': the rewrite's proof)
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: test check bench soak typecheck clean
+.PHONY: test check bench soak peer typecheck clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard native/*.c native/*.cpp)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,10 +26,13 @@ test: typecheck
 	$(PY) -m pytest
 
 check: typecheck
-	SHMLOADER_TEST_TIER=check $(PY) -m pytest -q -m "not soak and not slow" --durations=10
+	SHMLOADER_TEST_TIER=check $(PY) -m pytest -q -m "not soak and not peer and not slow" --durations=10
 
 soak: $(VENV)/.installed
 	$(PY) -m pytest -m soak -s tests/soak
+
+peer: $(VENV)/.installed
+	$(PY) -m pytest -q -m "peer or not peer" tests/compat
 
 bench: $(VENV)/.installed
 	$(PY) -m pip install -q --no-build-isolation -e ".[bench]"

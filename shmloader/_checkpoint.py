@@ -200,14 +200,11 @@ class Plan:
     earlier: frozenset[int]  # workers whose snapshot was taken after their epoch ended (they begin this one anew)
     last_worker: int | None
     in_process: tuple[Any, Any]
+    foreign: bool  # taken by torchdata's own iterator (no shmloader part)
 
     @classmethod
     def of(cls, state: dict[str, Any]) -> Plan:
-        own = state.get(OWN)
-        if own is None and ("_snapshot" in state or "_num_yielded" in state):
-            raise ValueError("this state was taken by torchdata's own StatefulDataLoader iterator: resume it "
-                             "without shmloader.install(stateful_dataloader=True), or take it under install()")
-        own = own or {}
+        own = state.get(OWN) or {}
         if own.get("version", VERSION) != VERSION:
             raise ValueError(f"state dict version {own['version']} is not supported (this shmloader writes {VERSION})")
         rng = {k: None if own.get(k) is None else decode_rng(own[k]) for k in ("rng_start", "rng_now")}
@@ -241,6 +238,7 @@ class Plan:
             ahead=tuple(own.get("ahead", ())),
             sampler_states=(main.get("_sampler_iter_state"), main.get("_index_sampler_state")),
             workers=workers, earlier=earlier, last_worker=None if last is None else int(last), in_process=in_process,
+            foreign=OWN not in state,
         )
 
     def done(self, worker: int) -> bool:
@@ -522,6 +520,9 @@ def load_loader_state(loader: Any, state: dict[str, Any]) -> None:
         loader._shm_resume = None
         return
     plan = Plan.of(state)  # refused now if it is not a state at all
+    if plan.foreign and plan.num_workers == loader.num_workers:  # (another count: refused at iter(), as torchdata does)
+        raise ValueError("this state was taken by torchdata's own StatefulDataLoader iterator: resume it "
+                         "without shmloader.install(stateful_dataloader=True), or take it under install()")
     if plan.rng_now is not None:  # (NOTE, 0)
         set_rng_state(loader.generator, plan.rng_now)
     loader._shm_resume = state

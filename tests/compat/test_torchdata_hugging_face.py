@@ -15,7 +15,7 @@ datasets = pytest.importorskip("datasets")
 from datasets.info import DatasetInfo  # noqa: E402
 from datasets.iterable_dataset import ExamplesIterable, IterableDataset  # noqa: E402
 
-from tests.compat.upstream import identity  # noqa: E402
+from tests.compat.test_torchdata_state_dict import run_iterable  # noqa: E402
 
 DEFAULT_N_EXAMPLES = 20
 DEFAULT_FILEPATH = "file.txt"
@@ -32,19 +32,14 @@ def generate_examples_fn(**kwargs: Any) -> Iterator[tuple[str, dict[str, Any]]]:
             yield f"{filepath}_{i}", {"id": i, **kwargs}
 
 
-def run_and_checkpoint(SDL: Any, num_workers: int, pw: bool, interrupt: int, every_n_steps: int = 1) -> None:
-    dataset = IterableDataset(ExamplesIterable(generate_examples_fn, {}), info=DatasetInfo(description="dummy"),
-                              split="train")
-    kw = dict(num_workers=num_workers, collate_fn=identity, snapshot_every_n_steps=every_n_steps, persistent_workers=pw)
-    dl = SDL(dataset=dataset, **kw)
-    it = iter(dl)
-    for _ in range(interrupt):
-        next(it)
-    state_dict = dl.state_dict()
-    exp = list(it)
-    dl = SDL(dataset=dataset, **kw)
-    dl.load_state_dict(state_dict)
-    assert exp == list(iter(dl))
+def hf_dataset(shuffle: bool) -> IterableDataset:
+    return IterableDataset(ExamplesIterable(generate_examples_fn, {}), info=DatasetInfo(description="dummy"),
+                           split="train")
+
+
+def run_and_checkpoint(SDL: Any, num_workers: int, pw: bool, interrupt: int) -> None:
+    """Upstream's _run_and_checkpoint: test_state_dict.py's iterable one, on this dataset."""
+    run_iterable(SDL, hf_dataset, num_workers=num_workers, pw=pw, interrupt=interrupt)
 
 
 BS_INTERRUPT = list(itertools.product([None, 7], [0, 1, 10]))

@@ -56,47 +56,36 @@ def run_iterable(SDL: Any, dataset_of: Callable[[bool], Any], num_workers: int, 
     assert exp == list(iter(dl))
 
 
-def run_map(SDL: Any, num_workers: int, batch_size: int | None, pw: bool, interrupt: int,
-            every_n_steps: int = 1, shuffle: bool = False) -> None:
-    """TestStatefulDataLoaderMap_shard1._run_and_checkpoint."""
+def run_sampled(SDL: Any, sampler_of: Callable[[Any], Any], num_workers: int, batch_size: int | None, pw: bool,
+                interrupt: int, every_n_steps: int = 1, shuffle: bool = False) -> None:
+    """TestStatefulDataLoaderMap_shard1 / TestStatefulSampler_shard1._run_and_checkpoint: a map
+    dataset through the sampler ``sampler_of(dataset)`` makes, a new one for each loader."""
+    dataset = DummyMapDataset(100, shuffle=shuffle)
+
+    def make() -> Any:
+        return SDL(dataset=dataset, num_workers=num_workers, collate_fn=identity, snapshot_every_n_steps=every_n_steps,
+                   persistent_workers=pw, batch_size=batch_size, sampler=sampler_of(dataset))
+
+    dl = make()
+    it = iter(dl)
+    for _ in range(interrupt):
+        next(it)
+    state_dict = dl.state_dict()
+    exp = list(it)
+    dl = make()
+    dl.load_state_dict(state_dict)
+    assert list(dl) == exp
+
+
+def run_map(SDL: Any, num_workers: int, **kw: Any) -> None:
     if num_workers == 0:
         return  # (upstream's: this class runs only with workers)
-    dataset = DummyMapDataset(100, shuffle=shuffle)
-
-    def make() -> Any:
-        sampler = torch.utils.data.RandomSampler(dataset, generator=torch.Generator().manual_seed(13))
-        return SDL(dataset=dataset, num_workers=num_workers, collate_fn=identity, snapshot_every_n_steps=every_n_steps,
-                   persistent_workers=pw, batch_size=batch_size, sampler=sampler)
-
-    dl = make()
-    it = iter(dl)
-    for _ in range(interrupt):
-        next(it)
-    state_dict = dl.state_dict()
-    exp = list(it)
-    dl = make()
-    dl.load_state_dict(state_dict)
-    assert list(dl) == exp
+    run_sampled(SDL, lambda dataset: torch.utils.data.RandomSampler(dataset, generator=torch.Generator().manual_seed(13)),
+                num_workers, **kw)
 
 
-def run_sampler(SDL: Any, num_workers: int, batch_size: int | None, pw: bool, interrupt: int,
-                every_n_steps: int = 1, shuffle: bool = False) -> None:
-    """TestStatefulSampler_shard1._run_and_checkpoint."""
-    dataset = DummyMapDataset(100, shuffle=shuffle)
-
-    def make() -> Any:
-        return SDL(dataset=dataset, num_workers=num_workers, collate_fn=identity, snapshot_every_n_steps=every_n_steps,
-                   persistent_workers=pw, batch_size=batch_size, sampler=DummySampler(len(dataset)))
-
-    dl = make()
-    it = iter(dl)
-    for _ in range(interrupt):
-        next(it)
-    state_dict = dl.state_dict()
-    exp = list(it)
-    dl = make()
-    dl.load_state_dict(state_dict)
-    assert list(dl) == exp
+def run_sampler(SDL: Any, num_workers: int, **kw: Any) -> None:
+    run_sampled(SDL, lambda dataset: DummySampler(len(dataset)), num_workers, **kw)
 
 
 def run_generator(SDL: Any, dataset_cls: Any, num_workers: int, pw: bool, interrupt: int, every_n_steps: int = 1) -> None:

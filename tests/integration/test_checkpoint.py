@@ -209,3 +209,47 @@ def test_an_out_of_order_epoch_resumes_exactly(k: int) -> None:
     resumed.load_state_dict(state)
     rest = [int(b) for b in resumed]
     assert sorted(head + rest) == list(range(24))
+
+
+def _through_json(state: dict[str, Any], tmp: Any, template: dict[str, Any]) -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads(json.dumps(state))
+    return loaded
+
+
+def _through_torch_save(state: dict[str, Any], tmp: Any, template: dict[str, Any]) -> dict[str, Any]:
+    torch.save(state, tmp / "state.pt")
+    loaded: dict[str, Any] = torch.load(tmp / "state.pt", weights_only=True)  # (nothing but plain values)
+    return loaded
+
+
+def _through_dcp(state: dict[str, Any], tmp: Any, template: dict[str, Any]) -> dict[str, Any]:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")  # (a single process, as here)
+        dcp.save(state, checkpoint_id=tmp / "dcp")
+        dcp.load(template, checkpoint_id=tmp / "dcp")  # (in place, into a fresh loader's state)
+    return template
+
+
+@pytest.mark.parametrize("through", [_through_json, _through_torch_save, _through_dcp], ids=["json", "torch.save", "dcp"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_state_travels_through_json_torch_save_and_distributed_checkpoint(through: Any, workers: int,
+                                                                           tmp_path: Any) -> None:
+    make = factory("shuffle-global", persistent=False, workers=workers)
+    torch.manual_seed(0)
+    want = epochs_of(make(), 2)
+    torch.manual_seed(0)
+    first = make()
+    it = iter(first)
+    head = [next(it).flatten().tolist() for _ in range(2)]
+    state = first.state_dict()
+    del it
+    close(first)
+    torch.manual_seed(99)  # (a new process: the state brings the sampling RNG back)
+    resumed = make()
+    resumed.load_state_dict(through(state, tmp_path, resumed.state_dict()))
+    assert [head + [b.flatten().tolist() for b in resumed]] + epochs_of(resumed, 1) == want
+    close(resumed)
