@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 import torch
 import torch.utils.data
 
-from shmloader import _checkpoint
+from shmloader import _checkpoint, _state_layout
 
 from shmloader.main import device as _device
 from shmloader.main.budget import parse_size
@@ -137,8 +137,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     device: str | torch.device | None
     device_prefetch: int
     _shm_resume_seed: tuple[int, torch.Tensor] | None
-    _shm_resume_plan: _checkpoint.Plan | None
-    _shm_epoch_start: _checkpoint.EpochStart | None
+    _shm_resume_plan: _state_layout.Plan | None
+    _shm_epoch_start: _state_layout.EpochStart | None
     _shm_resume: dict[str, Any] | None
 
     def __init__(

@@ -30,6 +30,7 @@ from shmloader import _native
 
 from shmloader.main import device as _device
 from shmloader.wire.layout import Field
+from shmloader._state_layout import Plan, Progress
 from shmloader.main.lease import Leases, copy_leaf, lone_args, read_batch, read_dataset_state
 from shmloader.main.overflow import OverflowBroker
 from shmloader.main.pool import WorkerPool
@@ -251,6 +252,31 @@ class Delivery:
         self.ended.add(worker)
         if snapshot:
             self.dataset_states[worker] = (snapshot, self.sched.epoch)
+
+    # ---------------------------------------------------------- checkpoints
+    def resume_from(self, plan: Plan, keeps_position: bool) -> bool:
+        """A resumed iterator's first epoch: each worker's snapshot (that of a worker that has not
+        delivered since is saved again as it was loaded), the last worker that delivered, the
+        tasks already consumed. False: the plan holds no position in this epoch (its epoch ended,
+        or it is produced again from its start)."""
+        self.dataset_states = {w: (state, -1 if plan.done(w) else 0) for w, state in plan.workers.items()}
+        if plan.finished or not keeps_position:
+            return False
+        self.last_worker = plan.last_worker
+        if self.consumed is not None:
+            self.consumed = ConsumedSeqs(plan.below, plan.ahead)
+        return True
+
+    def progress(self, consumed: int, finished: bool, pulled: int, sampler_states: tuple[Any, Any]) -> Progress:
+        """The epoch's ``Progress``: what the iterator says (batches consumed, StopIteration raised,
+        batches of indices drawn, a stateful sampler's states) with what delivery kept."""
+        seqs = self.consumed
+        epoch = self.sched.epoch
+        return Progress(
+            consumed, finished, pulled, {w: state for w, (state, _) in self.dataset_states.items()}, self.last_worker,
+            sampler_states, -1 if seqs is None else seqs.below, () if seqs is None else tuple(sorted(seqs.ahead)),
+            ended=frozenset(self.ended),
+            earlier=frozenset(w for w, (_, at) in self.dataset_states.items() if at != epoch))
 
     def shard_state(self, wid: int, first_epoch_state: bytes) -> tuple[bytes, bool]:
         """Where a replacement of worker ``wid`` resumes: the snapshot its dataset stored after the

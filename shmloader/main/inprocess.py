@@ -14,7 +14,7 @@ import torch.utils.data.graph_settings
 from torch.utils.data import IterDataPipe, MapDataPipe
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind, _SingleProcessDataLoaderIter
 
-from shmloader import _checkpoint
+from shmloader import _checkpoint, _state_layout
 from shmloader.worker.produce import has_state
 
 
@@ -29,7 +29,7 @@ class InProcessIterator(_SingleProcessDataLoaderIter):
         self._pulled = 0  # batches of indices taken from the sampler
         self.finished = False  # StopIteration was raised
         # (a state taken after its epoch ended was carried into the next one before: no plan then)
-        plan: _checkpoint.Plan | None = loader._shm_resume_plan
+        plan: _state_layout.Plan | None = loader._shm_resume_plan
         if plan is not None:
             _checkpoint.position(self, plan, self._iterable, _checkpoint.resume_rng(loader, plan))
             self._pulled = plan.below
@@ -59,7 +59,7 @@ class InProcessIterator(_SingleProcessDataLoaderIter):
             raise
         return data
 
-    def progress(self) -> _checkpoint.Progress:
+    def progress(self) -> _state_layout.Progress:
         fetcher = self._dataset_fetcher
         dataset = self._dataset
         if self._iterable:
@@ -68,12 +68,12 @@ class InProcessIterator(_SingleProcessDataLoaderIter):
             dataset_state = _checkpoint.state_of(dataset) if it is not dataset else None
         else:
             fetcher_state, dataset_state = None, _checkpoint.state_of(dataset)
-        return _checkpoint.Progress(
+        return _state_layout.Progress(
             self._num_yielded, self.finished, self._pulled, {}, None,
             (_checkpoint.state_of(self._sampler_iter), _checkpoint.state_of(self._index_sampler)),
             in_process=(dataset_state, fetcher_state))
 
-    def checkpoint(self) -> tuple[_checkpoint.Progress, int]:
+    def checkpoint(self) -> tuple[_state_layout.Progress, int]:
         """As torchdata's in-process iterator: always its progress now (snapshot_every_n_steps is
         the workers')."""
         return self.progress(), 0

@@ -33,8 +33,8 @@ import torch
 import torch.autograd.profiler as _profiler
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
-from shmloader import _checkpoint
-from shmloader.main.delivery import ConsumedSeqs, Delivery
+from shmloader import _checkpoint, _state_layout
+from shmloader.main.delivery import Delivery
 from shmloader.main.dispatch import batches_of
 from shmloader._errors import CorruptSlotError, StopCarrier, raise_worker_error
 from shmloader.wire.layout import Field, Status
@@ -86,7 +86,7 @@ class RingIterator(_BaseDataLoaderIter):
         cap = self._num_workers * self._prefetch_factor  # torch's bound on tasks; memory_budget may give fewer slots
         self._sched = Scheduler(cap, self._num_workers, cap, in_order=loader.in_order)
         self._broker = OverflowBroker(loader._shm_memory, self._memory_budget, loader.in_order, self._loader)
-        plan: _checkpoint.Plan | None = loader._shm_resume_plan
+        plan: _state_layout.Plan | None = loader._shm_resume_plan
         seqs = not loader.in_order and not self._iterable  # (which tasks were consumed: not a prefix)
         self._delivery = Delivery(self._sched, self._broker, self._counters,
                                   self._iterable or has_state(self._dataset) or seqs, seqs=seqs)
@@ -104,34 +104,21 @@ class RingIterator(_BaseDataLoaderIter):
             self._resume(loader, plan)
         self._snapshots = _checkpoint.Snapshots(self._every, self)
 
-    def _resume(self, loader: Any, plan: _checkpoint.Plan) -> None:
+    def _resume(self, loader: Any, plan: _state_layout.Plan) -> None:
         """Start where ``plan``'s snapshot was (``_checkpoint``'s NOTE): each worker's snapshot
         (given to its config), round-robin after the last worker that delivered, the sampler."""
-        self._delivery.dataset_states = {w: (state, -1 if plan.done(w) else 0) for w, state in plan.workers.items()}
-        if plan.finished:
-            return  # a new epoch
-        if not _checkpoint.plan_keeps_position(plan, self._dataset, self._iterable):
-            _checkpoint.resume_rng(loader, plan)()
-            return  # produced again from its start
-        for worker, going_on in enumerate(plan.active(self._num_workers)):
-            if not going_on:
-                self._sched.end_shard(worker)
-        self._delivery.last_worker = plan.last_worker
-        if plan.last_worker is not None and loader.in_order:
-            self._sched.rr = (plan.last_worker + 1) % self._num_workers
-        if self._delivery.consumed is not None:
-            self._delivery.consumed = ConsumedSeqs(plan.below, plan.ahead)
+        if not self._delivery.resume_from(plan, _checkpoint.plan_keeps_position(plan, self._dataset, self._iterable)):
+            if not plan.finished:  # produced again from its start
+                _checkpoint.resume_rng(loader, plan)()
+            return
+        self._sched.resume_after(plan.active(self._num_workers), plan.last_worker if loader.in_order else None)
         self._pulled_before = plan.below
         _checkpoint.position(self, plan, self._iterable, _checkpoint.resume_rng(loader, plan))
 
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)
-        sampler_iter = batches_of(self._index_sampler)
-        if not self._iterable and _checkpoint.stateful_sampler(self._index_sampler, sampler_iter):
-            # its state after each pull is kept for the batches in flight (and two more)
-            keep = self._num_workers * self._prefetch_factor + 2
-            sampler_iter = _checkpoint.SamplerPulls(self._index_sampler, sampler_iter, 0, keep)
-        self._sampler_iter = sampler_iter
+        self._sampler_iter = _checkpoint.pulled_from(self._index_sampler, batches_of(self._index_sampler),
+                                                     self._iterable, self._num_workers * self._prefetch_factor)
         self._pulled_before = 0  # batches of indices a resume drew before this iterator's first dispatch
         self.finished = False  # this epoch's StopIteration was raised
         self._failed_batches = 0
@@ -438,21 +425,15 @@ class RingIterator(_BaseDataLoaderIter):
     def holding(self) -> int:
         return self._delivery.leases.holding()
 
-    def progress(self) -> _checkpoint.Progress:
+    def progress(self) -> _state_layout.Progress:
         """Where this epoch is, for a checkpoint: batches consumed (yielded, or raised), and each
         worker's snapshot after its last delivered batch or end of shard."""
-        delivery = self._delivery
         consumed = self._num_yielded + self._failed_batches
-        seqs = delivery.consumed
-        below, ahead = (-1, ()) if seqs is None else (seqs.below, tuple(sorted(seqs.ahead)))
-        return _checkpoint.Progress(
-            consumed, self.finished, self._pulled_before + self._sched.send_seq,
-            {w: state for w, (state, _) in delivery.dataset_states.items()}, delivery.last_worker,
-            _checkpoint.sampler_states(self, consumed if below < 0 else below), below, ahead,
-            ended=frozenset(delivery.ended),
-            earlier=frozenset(w for w, (_, epoch) in delivery.dataset_states.items() if epoch != self._sched.epoch))
+        seqs = self._delivery.consumed
+        return self._delivery.progress(consumed, self.finished, self._pulled_before + self._sched.send_seq,
+                                       _checkpoint.sampler_states(self, consumed if seqs is None else seqs.below))
 
-    def checkpoint(self) -> tuple[_checkpoint.Progress, int]:
+    def checkpoint(self) -> tuple[_state_layout.Progress, int]:
         """``progress()`` at the latest snapshot (``snapshot_every_n_steps``), and the batches since."""
         return self._snapshots.checkpoint(self)
 

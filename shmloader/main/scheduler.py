@@ -67,6 +67,15 @@ class Scheduler(_native.Scheduler):
     def state(self, slot: int) -> SlotState:
         return SlotState(self.state_of(slot))
 
+    def resume_after(self, active: list[bool], last_worker: int | None) -> None:
+        """A resumed epoch: the shards that had ended end again, and round-robin goes on after
+        ``last_worker`` (the worker of the last batch consumed; None: from worker 0)."""
+        for worker, going_on in enumerate(active):
+            if not going_on:
+                self.end_shard(worker)
+        if last_worker is not None:
+            self.rr = (last_worker + 1) % self.num_workers
+
     def orphaned(self, worker: int) -> list[tuple[int, Task]]:
         """``orphans(worker)``: every slot of a dead worker FREE again, with its task."""
         return [(slot, Task(*task)) for slot, task in self.orphans(worker)]
