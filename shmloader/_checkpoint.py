@@ -28,7 +28,8 @@ NOTE [ What a resume restores, in order ]
 4. Datasets: every worker starts from its snapshot (torchdata's worker snapshot: the dataset's
    ``state_dict()``, and for an IterableDataset its iterator's and whether its shard ended),
    loaded in torchdata's order: ``dataset.load_state_dict``, ``iter(dataset)``, then the
-   iterator's ``load_state_dict``. Round-robin goes on after the last worker that delivered.
+   iterator's ``load_state_dict``. With ``in_order=True`` round-robin goes on after the last worker
+   that delivered; with ``in_order=False`` the tasks already consumed are not made again.
 5. ``snapshot_every_n_steps=n``: the snapshot is the one at the latest multiple of n batches;
    the batches after it are produced again and dropped. An IterableDataset with no state of
    its own (nor its iterator) replays all of them: exact when its shards are deterministic.
@@ -36,6 +37,7 @@ NOTE [ What a resume restores, in order ]
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import weakref
@@ -96,16 +98,21 @@ class Snapshots:
 
 
 class SamplerPulls:
-    """A stateful index sampler's iterator, remembering its state after each of the last pulls,
-    so that a state taken after k batches has the sampler as it was after the k-th pull (the
-    workers prefetch: the sampler is ahead of the consumer)."""
+    """A stateful index sampler's iterator, remembering its state after each pull not yet below
+    ``floor()`` (the batches consumed: every one below it), so that a state taken after k batches
+    has the sampler as it was after the k-th pull (the workers prefetch: the sampler is ahead of
+    the consumer). ``floor`` does not hold the iterator (a dropped one must die at once)."""
 
-    def __init__(self, index_sampler: Any, it: Iterator[Any], pulled: int, keep: int) -> None:
+    def __init__(self, index_sampler: Any, it: Iterator[Any], pulled: int, floor: Callable[[], int]) -> None:
         self.index_sampler = index_sampler
+        self.floor = floor
+        self.start(it, pulled)
+
+    def start(self, it: Iterator[Any], pulled: int) -> None:
+        """Go on from ``it``, which has given ``pulled`` batches."""
         self.it = it
         self.pulled = pulled
-        self.states: deque[tuple[int, Any, Any]] = deque(maxlen=keep)
-        self.states.append((pulled, state_of(it), state_of(index_sampler)))
+        self.states: deque[tuple[int, Any, Any]] = deque([(pulled, state_of(it), state_of(self.index_sampler))])
 
     def __iter__(self) -> SamplerPulls:
         return self
@@ -113,7 +120,11 @@ class SamplerPulls:
     def __next__(self) -> Any:
         index = next(self.it)
         self.pulled += 1
-        self.states.append((self.pulled, state_of(self.it), state_of(self.index_sampler)))
+        states = self.states
+        states.append((self.pulled, state_of(self.it), state_of(self.index_sampler)))
+        floor = self.floor()
+        while states[0][0] < floor:
+            states.popleft()
         return index
 
     def at(self, pulled: int) -> tuple[Any, Any]:
@@ -124,16 +135,34 @@ class SamplerPulls:
                              f"(kept: {[n for n, _, _ in self.states]})")
 
 
-def pulled_from(index_sampler: Any, sampler_iter: Any, iterable: bool, in_flight: int) -> Any:
-    """A ring iterator's ``sampler_iter``: a stateful sampler's wrapped in ``SamplerPulls``, which
-    keeps its state after the pulls of the batches that may be in flight (and two more)."""
+class Skipping:
+    """The sampler's batches from task ``seq`` of the epoch on, less those already consumed (a
+    resumed ``in_order=False`` epoch). ``source``: what it draws from."""
+
+    def __init__(self, source: Iterator[Any], seq: int, consumed: tuple[int, ...]) -> None:
+        self.source, self.seq, self.consumed = source, seq, set(consumed)
+
+    def __iter__(self) -> Skipping:
+        return self
+
+    def __next__(self) -> Any:
+        while True:
+            index = next(self.source)
+            self.seq += 1
+            if self.seq - 1 not in self.consumed:
+                return index
+
+
+def pulled_from(index_sampler: Any, sampler_iter: Any, iterable: bool, floor: Callable[[], int]) -> Any:
+    """A ring iterator's ``sampler_iter``: a stateful sampler's wrapped in ``SamplerPulls``."""
     if iterable or not stateful_sampler(index_sampler, sampler_iter):
         return sampler_iter
-    return SamplerPulls(index_sampler, sampler_iter, 0, in_flight + 2)
+    return SamplerPulls(index_sampler, sampler_iter, 0, floor)
 
 
 def sampler_states(it: Any, consumed: int) -> tuple[Any, Any]:
     pulls = it._sampler_iter
+    pulls = pulls.source if isinstance(pulls, Skipping) else pulls
     return pulls.at(consumed) if isinstance(pulls, SamplerPulls) else (None, None)
 
 
@@ -141,13 +170,14 @@ def stateful_sampler(index_sampler: Any, sampler_iter: Any) -> bool:
     return has_state(index_sampler) or has_state(sampler_iter)
 
 
-def position(it: Any, plan: Plan, iterable: bool, rng: Callable[[], None]) -> None:
+def position(it: Any, plan: Plan, iterable: bool, rng: Callable[[], None] | None) -> None:
     """Put a resumed epoch's new iterator where ``plan``'s snapshot was (see the NOTE, steps 2-3):
-    its sampler, then the RNG (``rng``), then how many batches it has yielded."""
+    its sampler, then the RNG (``rng``; None: its caller puts it back later), then how many
+    batches it has yielded."""
     if not iterable:
         index_sampler = it._index_sampler
-        sampler_iter = it._sampler_iter
-        inner = sampler_iter.it if isinstance(sampler_iter, SamplerPulls) else sampler_iter
+        pulls = it._sampler_iter if isinstance(it._sampler_iter, SamplerPulls) else None
+        inner = it._sampler_iter if pulls is None else pulls.it
         if stateful_sampler(index_sampler, inner) and plan.sampler_states != (None, None):
             inner = restore_sampler(index_sampler, inner, plan)
         else:
@@ -160,15 +190,12 @@ def position(it: Any, plan: Plan, iterable: bool, rng: Callable[[], None]) -> No
             ahead = list(itertools.islice(inner, max(0, plan.pulled - plan.below)))
             if ahead:
                 inner = itertools.chain(ahead, inner)
-        if plan.ahead:
-            inner = _skipping(inner, plan.below, set(plan.ahead))
-        if isinstance(sampler_iter, SamplerPulls):
-            sampler_iter.it, sampler_iter.pulled = inner, plan.step
-            sampler_iter.states.clear()
-            sampler_iter.states.append((plan.step, state_of(inner), state_of(index_sampler)))
-        else:
-            it._sampler_iter = inner
-    rng()
+        if pulls is not None:
+            pulls.start(inner, plan.below)  # (counting the epoch's tasks, those skipped below too)
+        source = inner if pulls is None else pulls
+        it._sampler_iter = Skipping(source, plan.below, plan.ahead) if plan.ahead else source
+    if rng is not None:
+        rng()
     it._num_yielded = plan.step if plan_keeps_position(plan, it._dataset, iterable) else 0
 
 
@@ -214,14 +241,6 @@ def carry_into_next_epoch(loader: Any, plan: Plan, persistent: bool) -> None:
             it.load_state_dict(fetcher_state["dataset_iter_state"])
 
 
-def _skipping(batches: Iterator[Any], seq: int, consumed: set[int]) -> Iterator[Any]:
-    """The sampler's batches from task ``seq`` on, less the tasks already consumed."""
-    for index in batches:
-        if seq not in consumed:
-            yield index
-        seq += 1
-
-
 def plan_keeps_position(plan: Plan, dataset: Any, iterable: bool) -> bool:
     """Whether the snapshot holds the position: False for an IterableDataset with no state of its
     own (nor its iterator), whose consumed batches are produced again and dropped."""
@@ -244,11 +263,16 @@ class _Epoch:
     def __init__(self, it: Any) -> None:
         self.ref = weakref.ref(it)
         self.held: Any = None
-        self.last: tuple[Progress, int] | None = None
+        self.last: tuple[Progress, int] | BaseException | None = None  # (an exception: it failed to say)
 
     def checkpoint(self) -> tuple[Progress, int] | None:
         it = self.ref()
-        return self.last if it is None else it.checkpoint()
+        if it is not None:
+            return it.checkpoint()  # type: ignore[no-any-return]
+        if isinstance(self.last, BaseException):
+            raise ShmLoaderError("the epoch's iterator could not say where it was when it was dropped, so "
+                                 "there is no state to take") from self.last
+        return self.last
 
 
 # loader -> its current epoch (weak: a loader still pickles and is not kept alive).
@@ -268,14 +292,14 @@ def begin_epoch(loader: Any, torch_iter: Callable[[], Any]) -> Any:
     if getattr(loader._iterator, "shut_down", False):
         loader._iterator = None  # an error stopped the persistent workers: start afresh
     persistent = loader.persistent_workers and loader.num_workers > 0
-    resume, loader._shm_resume = loader._shm_resume, None
     generator = loader.generator
-    plan = None if resume is None else Plan.of(resume)
+    plan = None if loader._shm_resume is None else Plan.of(loader._shm_resume)
     if plan is not None and plan.num_workers != loader.num_workers:
         raise StateMismatchError(
             f"this state was taken with num_workers={plan.num_workers} and this loader has "
             f"num_workers={loader.num_workers}: the workers' snapshots and which batch each worker makes "
             f"belong to that count; resume with num_workers={plan.num_workers}")
+    loader._shm_resume = None
     if plan is None:
         previous = loader._shm_epoch_start
         start = EpochStart(0 if previous is None else previous.epoch + 1, rng_state(generator),
@@ -313,13 +337,21 @@ def _begun(loader: Any, torch_iter: Callable[[], Any], start: EpochStart, plan: 
     loader._shm_epoch_start = start
     epoch = _epochs[loader] = _Epoch(it)
     if hasattr(it, "last_words"):  # a ring iterator: say how far it got when it dies
-        it.last_words = lambda dying: setattr(epoch, "last", dying.checkpoint())
+        def last_words(dying: Any) -> None:
+            try:
+                epoch.last = dying.checkpoint()
+            except Exception as error:  # (a state_dict() of this epoch then says so, never a wrong state)
+                epoch.last = error
+        it.last_words = last_words
     else:
         epoch.held = it
     if plan is not None:
         for _ in range(replayed(plan, loader.dataset, loader._dataset_kind == _DatasetKind.Iterable)):
             if next(it, _DONE) is _DONE:
                 break
+        after = getattr(it, "after_replay", None)
+        if after is not None:  # (in process, the batches made again drew from the sampling RNG too)
+            after()
     return it
 
 
@@ -334,7 +366,7 @@ def resume_rng(loader: Any, plan: Plan) -> Callable[[], None]:
 def loader_state(loader: Any) -> dict[str, Any]:
     """``loader.state_dict()`` (see the module's docstring): cheap, the workers are not paused."""
     if loader._shm_resume is not None:  # loaded and not iterated yet: that state
-        return loader._shm_resume  # type: ignore[no-any-return]
+        return copy.deepcopy(loader._shm_resume)  # type: ignore[no-any-return]
     epoch = _epochs.get(loader)
     mark = None if epoch is None else epoch.checkpoint()
     now = rng_state(loader.generator)
@@ -348,16 +380,16 @@ def load_loader_state(loader: Any, state: dict[str, Any]) -> None:
     """``loader.load_state_dict(state)``: the next ``iter(loader)`` continues from ``state``."""
     if not isinstance(state, dict):
         raise TypeError(f"load_state_dict expects the dict that state_dict() returned, not {type(state).__name__}")
+    plan = Plan.of(state) if state else None  # refused now if it is not a state at all
+    if plan is not None and plan.foreign and plan.num_workers == loader.num_workers:  # (another count: at iter())
+        raise ValueError("this state was taken by torchdata's own StatefulDataLoader iterator: resume it "
+                         "without shmloader.install(stateful_dataloader=True), or take it under install()")
     if loader._iterator is not None and hasattr(loader._iterator, "_shutdown_workers"):
         loader._iterator._shutdown_workers()  # a persistent iterator cannot be rewound
     loader._iterator = None
-    if not state:  # torchdata's: an empty state changes nothing
+    if plan is None:  # torchdata's: an empty state changes nothing
         loader._shm_resume = None
         return
-    plan = Plan.of(state)  # refused now if it is not a state at all
-    if plan.foreign and plan.num_workers == loader.num_workers:  # (another count: refused at iter(), as torchdata does)
-        raise ValueError("this state was taken by torchdata's own StatefulDataLoader iterator: resume it "
-                         "without shmloader.install(stateful_dataloader=True), or take it under install()")
     if plan.rng_now is not None:  # (NOTE, 0)
         set_rng_state(loader.generator, plan.rng_now)
     loader._shm_resume = state

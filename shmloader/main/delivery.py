@@ -56,16 +56,28 @@ COPY_HELD_UNDER = 1 << 20
 
 
 class ConsumedSeqs:
-    """The tasks of an ``in_order=False`` epoch that were consumed: every seq below ``below``,
-    and those in ``ahead`` (what a checkpoint resumes after)."""
+    """The tasks of an ``in_order=False`` epoch that were consumed, by their seq in the epoch (as
+    first dispatched): every seq below ``below``, and those in ``ahead``. A resumed iterator
+    dispatches only the others, in order: its own k-th task is the epoch's ``original(k)``."""
 
-    __slots__ = ("below", "ahead")
+    __slots__ = ("below", "ahead", "base", "skipped")
 
     def __init__(self, below: int = 0, ahead: tuple[int, ...] = ()) -> None:
         self.below = below
         self.ahead = set(ahead)
+        self.base, self.skipped = below, sorted(ahead)  # (what this iterator's dispatch skips)
 
-    def add(self, seq: int) -> None:
+    def original(self, k: int) -> int:
+        seq = self.base + k
+        for skipped in self.skipped:
+            if skipped > seq:
+                break
+            seq += 1
+        return seq
+
+    def add(self, k: int) -> None:
+        """This iterator's task ``k`` was consumed."""
+        seq = self.original(k)
         if seq != self.below:
             self.ahead.add(seq)
             return
@@ -79,7 +91,7 @@ class Delivery:
     def __init__(self, sched: Scheduler, broker: OverflowBroker, counters: Counters, noting: bool,
                  seqs: bool = False) -> None:
         """``noting``: each delivered batch's worker and snapshot are recorded (an IterableDataset,
-        or a dataset with a state of its own); ``seqs``: and its task's seq (``in_order=False``)."""
+        or a dataset with a state of its own); ``seqs``: which tasks were consumed (``in_order=False``)."""
         self.sched = sched
         self.broker = broker
         self.counters = counters
@@ -127,6 +139,8 @@ class Delivery:
         if self.lone is not None:  # (it checks the header: a piped or overflow batch is left alone)
             built = _native.lend_lone(slot, self.leases.bases, self.lone)  # one tensor in its slot: one call
             if built is not None:
+                if self.consumed is not None:
+                    self.delivered(self.note(slot))
                 counters = self.counters
                 counters.batches += 1
                 counters.bytes += built[1]
@@ -135,16 +149,15 @@ class Delivery:
         assert ring is not None
         piped = self.piped.pop(slot, None)
         if piped is not None:
+            hdr = ring.headers[slot]
+            worker, seq = int(hdr[Field.WORKER]), int(hdr[Field.R_SEQ])
             self.sched.give_back(slot)
             batch, state = pickle.loads(piped)
-            if self.noting:
-                hdr = ring.headers[slot]
-                self.delivered((int(hdr[Field.WORKER]), state, int(hdr[Field.R_SEQ])))
+            self.delivered((worker, state, seq))
             self.counters.batches += 1
             self.counters.copies += 1
             return batch
-        if self.noting:
-            self.delivered(self.note(slot))
+        self.delivered(self.note(slot))
         where = self.broker.where(slot)
         if where is not None:
             # The batch lies in its own overflow memory: the slot is free once it is read (it
@@ -230,14 +243,16 @@ class Delivery:
             self.sched.give_back(slot)
             self.broker.drop(slot)
 
-    # ---------------------------------------------------- IterableDataset
+    # ------------------------------------ worker snapshots, consumed tasks
     def note(self, slot: int) -> tuple[int, bytes, int] | None:
-        """When noting: which worker made this batch, its snapshot after it, and the task's seq."""
-        if not self.noting:
+        """Which worker made this batch, its snapshot after it (when noting), and the task's seq;
+        None when neither is kept."""
+        if not self.noting and self.consumed is None:
             return None
         assert self.ring is not None
         hdr = self.ring.headers[slot]
-        return int(hdr[Field.WORKER]), read_dataset_state(self.ring, slot, self.broker.where(slot)), int(hdr[Field.R_SEQ])
+        state = read_dataset_state(self.ring, slot, self.broker.where(slot)) if self.noting else b""
+        return int(hdr[Field.WORKER]), state, int(hdr[Field.R_SEQ])
 
     def delivered(self, note: tuple[int, bytes, int] | None) -> None:
         if note is not None:
@@ -278,11 +293,11 @@ class Delivery:
             ended=frozenset(self.ended),
             earlier=frozenset(w for w, (_, at) in self.dataset_states.items() if at != epoch))
 
-    def shard_state(self, wid: int, first_epoch_state: bytes) -> tuple[bytes, bool]:
+    def shard_state(self, wid: int) -> tuple[bytes, bool]:
         """Where a replacement of worker ``wid`` resumes: the snapshot its dataset stored after the
-        last batch it made that is kept (ready, staged, or delivered), or at its shard's end;
-        ``first_epoch_state`` (a checkpoint's, or the shard's start) when there is none. And
-        whether that snapshot is of an earlier epoch (the replacement then begins this one anew)."""
+        last batch it made that is kept (ready, staged, or delivered), or at its shard's end (b"":
+        none, the shard's start). And whether that snapshot is of an earlier epoch (the
+        replacement then begins this one anew)."""
         assert self.ring is not None
         sched = self.sched
         kept = [(task.seq, slot) for slot in sched.ready() if (task := sched.task_of(slot)) and task.worker == wid]
@@ -298,7 +313,7 @@ class Delivery:
             return staged[-1][1], False
         saved = self.dataset_states.get(wid)
         if saved is None:
-            return first_epoch_state, False
+            return b"", False
         return saved[0], saved[1] != sched.epoch
 
     def make_stager(self, device: torch.device, depth: int) -> None:

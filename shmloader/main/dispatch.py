@@ -22,15 +22,17 @@ from shmloader.wire.messages import Index
 from shmloader.wire.ring import NOT_INTS, POSTED, Ring
 
 
-def batches_of(index_sampler: Any) -> Any:
-    """``iter(index_sampler)``, except for torch's own BatchSampler over its SequentialSampler
-    (those exact types): the same batches as ``range`` objects, which the scheduler's post writes
-    as the list of their ints without making one. A task's index may so be a range; anything
-    that hands it on as an index (a pipe, a pickle, a message) takes ``as_list(index)``."""
+def batches_of(index_sampler: Any, made: Any = None) -> Any:
+    """``iter(index_sampler)`` (``made``, when torch's ``_reset`` made it already: a sampler whose
+    ``iter()`` draws, as torchdata's RandomSampler does, is not asked twice), except for torch's
+    own BatchSampler over its SequentialSampler (those exact types): the same batches as ``range``
+    objects, which the scheduler's post writes as the list of their ints without making one. A
+    task's index may so be a range; anything that hands it on as an index (a pipe, a pickle, a
+    message) takes ``as_list(index)``."""
     if type(index_sampler) is BatchSampler and type(index_sampler.sampler) is SequentialSampler:
         return _sequential_batches(index_sampler.sampler.data_source, index_sampler.batch_size,
                                    index_sampler.drop_last)
-    return iter(index_sampler)
+    return iter(index_sampler) if made is None else made
 
 
 def _sequential_batches(source: Any, size: int, drop_last: bool) -> Any:

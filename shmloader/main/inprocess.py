@@ -8,7 +8,7 @@ state, ``iter(dataset)`` once, and its iterator's state.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch.utils.data.graph_settings
 from torch.utils.data import IterDataPipe, MapDataPipe
@@ -30,8 +30,14 @@ class InProcessIterator(_SingleProcessDataLoaderIter):
         self.finished = False  # StopIteration was raised
         # (a state taken after its epoch ended was carried into the next one before: no plan then)
         plan: _state_layout.Plan | None = loader._shm_resume_plan
+        # What a resume replays (the dataset makes batches again: they draw from this process's RNG)
+        # puts the RNG back once it is done (_checkpoint calls after_replay), else at once.
+        self.after_replay: Callable[[], None] | None = None
         if plan is not None:
-            _checkpoint.position(self, plan, self._iterable, _checkpoint.resume_rng(loader, plan))
+            put_back = _checkpoint.resume_rng(loader, plan)
+            if _checkpoint.replayed(plan, self._dataset, self._iterable):
+                self.after_replay = put_back
+            _checkpoint.position(self, plan, self._iterable, None if self.after_replay else put_back)
             self._pulled = plan.below
         dataset_state, fetcher_state = (None, None) if plan is None else plan.in_process
         dataset: Any = self._dataset

@@ -54,6 +54,16 @@ _END = object()  # the epoch has ended
 _GROW = object()  # the ring must grow before anything else is dispatched
 _NOT_READY = int(Step.NOT_READY)
 
+def _floor_of(it: RingIterator) -> Callable[[], int]:
+    """``it.consumed_below``, without holding ``it`` (a dropped iterator must die at once)."""
+    ref = weakref.ref(it)
+
+    def floor() -> int:
+        live_it = ref()
+        return 0 if live_it is None else live_it.consumed_below()
+    return floor
+
+
 class RingIterator(_BaseDataLoaderIter):
     """Iterator over a DataLoader with ``num_workers > 0`` (sync and async)."""
 
@@ -87,9 +97,8 @@ class RingIterator(_BaseDataLoaderIter):
         self._sched = Scheduler(cap, self._num_workers, cap, in_order=loader.in_order)
         self._broker = OverflowBroker(loader._shm_memory, self._memory_budget, loader.in_order, self._loader)
         plan: _state_layout.Plan | None = loader._shm_resume_plan
-        seqs = not loader.in_order and not self._iterable  # (which tasks were consumed: not a prefix)
-        self._delivery = Delivery(self._sched, self._broker, self._counters,
-                                  self._iterable or has_state(self._dataset) or seqs, seqs=seqs)
+        self._delivery = Delivery(self._sched, self._broker, self._counters, self._iterable or has_state(self._dataset),
+                                  seqs=not loader.in_order and not self._iterable)  # (consumed: not a prefix)
         configs = worker_configs(self, loader.worker_init_fn, int(self._base_seed), PARENT_CHECK_S,
                                  {} if plan is None else plan.workers, (lambda w: False) if plan is None else plan.done)
         self._life = Lifecycle(loader.multiprocessing_context or torch.multiprocessing, configs, self._sched,
@@ -97,6 +106,7 @@ class RingIterator(_BaseDataLoaderIter):
         self._waiter = Waiter(self._life, self._sched, self._delivery, self._counters)
         live.add(self)
         self._every = getattr(loader, "snapshot_every_n_steps", 1)
+        self.after_replay: Callable[[], None] | None = None  # (a resume's: _checkpoint calls it)
         if plan is not None and plan.finished and not self._iterable:
             _checkpoint.carry_sampler(self._index_sampler, plan)  # (persistent workers' next epoch)
         self._reset(loader, first_iter=True)
@@ -106,19 +116,20 @@ class RingIterator(_BaseDataLoaderIter):
 
     def _resume(self, loader: Any, plan: _state_layout.Plan) -> None:
         """Start where ``plan``'s snapshot was (``_checkpoint``'s NOTE): each worker's snapshot
-        (given to its config), round-robin after the last worker that delivered, the sampler."""
+        (given to its config), round-robin after the last worker that delivered, the sampler. The
+        RNG is put back once the batches after the snapshot were made again (``after_replay``):
+        the sampler draws for them as it did."""
+        self.after_replay = _checkpoint.resume_rng(loader, plan)
         if not self._delivery.resume_from(plan, _checkpoint.plan_keeps_position(plan, self._dataset, self._iterable)):
-            if not plan.finished:  # produced again from its start
-                _checkpoint.resume_rng(loader, plan)()
-            return
+            return  # (its epoch ended, or it is made again from its start)
         self._sched.resume_after(plan.active(self._num_workers), plan.last_worker if loader.in_order else None)
         self._pulled_before = plan.below
-        _checkpoint.position(self, plan, self._iterable, _checkpoint.resume_rng(loader, plan))
+        _checkpoint.position(self, plan, self._iterable, None)
 
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)
-        self._sampler_iter = _checkpoint.pulled_from(self._index_sampler, batches_of(self._index_sampler),
-                                                     self._iterable, self._num_workers * self._prefetch_factor)
+        self._sampler_iter = _checkpoint.pulled_from(self._index_sampler, batches_of(self._index_sampler, self._sampler_iter),
+                                                     self._iterable, _floor_of(self))
         self._pulled_before = 0  # batches of indices a resume drew before this iterator's first dispatch
         self.finished = False  # this epoch's StopIteration was raised
         self._failed_batches = 0
@@ -430,8 +441,15 @@ class RingIterator(_BaseDataLoaderIter):
         worker's snapshot after its last delivered batch or end of shard."""
         consumed = self._num_yielded + self._failed_batches
         seqs = self._delivery.consumed
-        return self._delivery.progress(consumed, self.finished, self._pulled_before + self._sched.send_seq,
+        dispatched = self._sched.send_seq
+        pulled = self._pulled_before + dispatched if seqs is None else seqs.original(dispatched)
+        return self._delivery.progress(consumed, self.finished, pulled,
                                        _checkpoint.sampler_states(self, consumed if seqs is None else seqs.below))
+
+    def consumed_below(self) -> int:
+        """Every batch of the epoch below this one was consumed."""
+        seqs = self._delivery.consumed
+        return self._num_yielded + self._failed_batches if seqs is None else seqs.below
 
     def checkpoint(self) -> tuple[_state_layout.Progress, int]:
         """``progress()`` at the latest snapshot (``snapshot_every_n_steps``), and the batches since."""
@@ -456,7 +474,9 @@ class RingIterator(_BaseDataLoaderIter):
 
     def __del__(self) -> None:
         last_words = getattr(self, "last_words", None)
-        if last_words is not None:
-            self.last_words = None
-            last_words(self)
-        self._shutdown_workers()
+        try:
+            if last_words is not None:
+                self.last_words = None
+                last_words(self)
+        finally:
+            self._shutdown_workers()

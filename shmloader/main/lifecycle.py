@@ -344,12 +344,9 @@ class Lifecycle:
         for slot, _ in orphans:
             self.broker.drop(slot)
         shard = None
-        if self.delivery.noting:  # the iterator's first epoch may have begun from a checkpoint: its state
-            cfg = pool.configs[wid]
-            first = cfg.dataset_state if sched.epoch == 0 else b""
-            state, earlier = self.delivery.shard_state(wid, first)
-            # (a checkpoint's snapshot taken after its epoch ended begins the epoch anew, as it did)
-            shard = (state, sched.epoch, earlier or (bool(first) and state is first and cfg.dataset_state_done))
+        if self.delivery.noting:  # from its snapshot (a checkpoint's, until it delivers: Delivery.resume_from)
+            state, earlier = self.delivery.shard_state(wid)
+            shard = (state, sched.epoch, earlier)
         sched.renew_queue(wid)
         pool.replace(wid, self.ring, self.doorbell.fd, shard)
         for slot, task in orphans:  # to its replacement: the batch -> worker assignment stays torch's

@@ -6,12 +6,15 @@ empty rest of that epoch); one taken after an epoch's end resumes into the next 
 each state the loader is dropped, torch's global RNG is moved elsewhere (a new process's), and
 a new loader built on the same arguments loads the state and goes on. Up to three such
 resumes in one run (chained: a state taken soon after a resume, before every worker has
-delivered, included), over three epochs. What the run yields, epoch by epoch, must be what
-torch's DataLoader yields uninterrupted from the same seed: contents, order and epoch lengths.
+delivered, included), over three epochs; ``in_order`` either way, ``snapshot_every_n_steps``,
+torch's samplers and a stateful one (torchdata's). What the run yields, epoch by epoch, must be
+what torch's DataLoader yields uninterrupted from the same seed: contents, order (with
+``in_order=False``, each batch exactly once) and epoch lengths.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from typing import Any, Callable
 
@@ -19,6 +22,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import Dataset
+from torchdata.stateful_dataloader.sampler import BatchSampler as StatefulBatchSampler
+from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
 
 import shmloader
 from tests.conftest import examples
@@ -59,16 +64,24 @@ def flat(batch: Any) -> list[int]:
     return [x for part in parts for x in part.flatten().tolist()]
 
 
-def factory(cls: Any, dataset: str, workers: int, persistent: bool, shuffle: str) -> Callable[[], Any]:
+def factory(cls: Any, run: Run) -> Callable[[], Any]:
+    """The loader of ``run``: torch's (the reference) or shmloader's (with its own options)."""
     def make() -> Any:
-        kw: dict[str, Any] = {"batch_size": BS, "num_workers": workers, "persistent_workers": persistent}
-        if dataset == "iterable":
+        kw: dict[str, Any] = {"batch_size": BS, "num_workers": run.workers, "persistent_workers": run.persistent}
+        if cls is shmloader.DataLoader:
+            kw.update(in_order=run.in_order, snapshot_every_n_steps=run.every)
+        if run.dataset == "iterable":
             return cls(Shards(N), **kw)
-        if dataset == "iterable-stateful":
+        if run.dataset == "iterable-stateful":
             return cls(StatefulShards(N), **kw)
-        if shuffle == "generator":
+        dataset = Noisy() if run.dataset == "map-stateful" else Range()
+        if run.shuffle == "stateful-sampler":  # torchdata's: a batch sampler whose iterator has a state
+            del kw["batch_size"]
+            sampler = StatefulRandomSampler(dataset, generator=torch.Generator().manual_seed(3))
+            return cls(dataset, batch_sampler=StatefulBatchSampler(sampler, BS, False), **kw)
+        if run.shuffle == "generator":
             kw["generator"] = torch.Generator().manual_seed(7)
-        return cls(Noisy() if dataset == "map-stateful" else Range(), shuffle=shuffle != "none", **kw)
+        return cls(dataset, shuffle=run.shuffle != "none", **kw)
     return make
 
 
@@ -122,27 +135,41 @@ def interrupted(make: Callable[[], Any], cuts: set[int]) -> list[list[list[int]]
     return epochs
 
 
+@dataclasses.dataclass(frozen=True)
+class Run:
+    dataset: str
+    workers: int
+    persistent: bool
+    shuffle: str
+    in_order: bool  # False: a map dataset whose items do not depend on the worker (batches compared as sets)
+    every: int  # snapshot_every_n_steps
+    cuts: frozenset[int]
+
+
 @st.composite
-def runs(draw: st.DrawFn) -> tuple[str, int, bool, str, set[int]]:
+def runs(draw: st.DrawFn) -> Run:
     dataset = draw(st.sampled_from(["map", "map-stateful", "iterable", "iterable-stateful"]))
     workers = draw(st.integers(0, 3))
     persistent = workers > 0 and draw(st.booleans())
-    shuffle = "none" if dataset.startswith("iterable") else draw(st.sampled_from(["none", "global", "generator"]))
+    shuffles = ["none", "global", "generator", "stateful-sampler"]
+    shuffle = "none" if dataset.startswith("iterable") else draw(st.sampled_from(shuffles))
+    in_order = not (dataset == "map" and workers > 1 and draw(st.booleans()))
+    every = draw(st.sampled_from([1, 1, 2, 3, 0])) if workers else 1
     total = EPOCHS * (N // BS + 2)  # events: an epoch's batches (at most 5 with 3 workers' shards) and its end
     gaps = draw(st.lists(st.integers(1, 8), min_size=1, max_size=3))  # small gaps: chained resumes
-    first = draw(st.integers(0, total))
+    at = draw(st.integers(0, total))
     cuts = set()
-    at = first
     for gap in gaps:
         cuts.add(at)
         at += gap
-    return dataset, workers, persistent, shuffle, {c for c in cuts if 0 < c <= total}
+    return Run(dataset, workers, persistent, shuffle, in_order, every, frozenset(c for c in cuts if 0 < c <= total))
 
 
 @settings(max_examples=examples(40), deadline=None, print_blob=True)
 @given(runs())
-def test_resumes_equal_torchs_uninterrupted_run(run: tuple[str, int, bool, str, set[int]]) -> None:
-    dataset, workers, persistent, shuffle, cuts = run
-    want = uninterrupted(factory(torch.utils.data.DataLoader, dataset, workers, persistent, shuffle))
-    got = interrupted(factory(shmloader.DataLoader, dataset, workers, persistent, shuffle), cuts)
+def test_resumes_equal_torchs_uninterrupted_run(run: Run) -> None:
+    want = uninterrupted(factory(torch.utils.data.DataLoader, run))
+    got = interrupted(factory(shmloader.DataLoader, run), set(run.cuts))
+    if not run.in_order:  # ready first: each epoch's batches, each exactly once
+        want, got = [sorted(epoch) for epoch in want], [sorted(epoch) for epoch in got]
     assert got == want, (run, got, want)
