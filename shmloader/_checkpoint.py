@@ -37,7 +37,6 @@ NOTE [ What a resume restores, in order ]
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 import weakref
@@ -153,10 +152,17 @@ class Skipping:
                 return index
 
 
-def pulled_from(index_sampler: Any, sampler_iter: Any, iterable: bool, floor: Callable[[], int]) -> Any:
-    """A ring iterator's ``sampler_iter``: a stateful sampler's wrapped in ``SamplerPulls``."""
-    if iterable or not stateful_sampler(index_sampler, sampler_iter):
+def pulled_from(it: Any, sampler_iter: Any) -> Any:
+    """Ring iterator ``it``'s ``sampler_iter``: a stateful sampler's wrapped in ``SamplerPulls``,
+    whose floor is ``it.consumed_below()`` (read without holding ``it``)."""
+    index_sampler = it._index_sampler
+    if it._dataset_kind == _DatasetKind.Iterable or not stateful_sampler(index_sampler, sampler_iter):
         return sampler_iter
+    ref = weakref.ref(it)
+
+    def floor() -> int:
+        live = ref()
+        return 0 if live is None else int(live.consumed_below())
     return SamplerPulls(index_sampler, sampler_iter, 0, floor)
 
 
@@ -366,7 +372,7 @@ def resume_rng(loader: Any, plan: Plan) -> Callable[[], None]:
 def loader_state(loader: Any) -> dict[str, Any]:
     """``loader.state_dict()`` (see the module's docstring): cheap, the workers are not paused."""
     if loader._shm_resume is not None:  # loaded and not iterated yet: that state
-        return copy.deepcopy(loader._shm_resume)  # type: ignore[no-any-return]
+        return _copied(loader._shm_resume)  # type: ignore[no-any-return]
     epoch = _epochs.get(loader)
     mark = None if epoch is None else epoch.checkpoint()
     now = rng_state(loader.generator)
@@ -374,6 +380,16 @@ def loader_state(loader: Any) -> dict[str, Any]:
     if mark is None or start is None:  # nothing iterated yet: the first epoch, from the RNG as it is now
         return state_dict_of(loader, EpochStart(0, now, True), (Progress(0, False, 0, {}, None), 0), now, False)
     return state_dict_of(loader, start, mark, now, True)
+
+
+def _copied(value: Any) -> Any:
+    """Its dicts and lists copied (a caller may edit them, as Accelerate does), the rest shared (a
+    dataset's own tensors: the copy compares equal to the original, as torchdata's does)."""
+    if isinstance(value, dict):
+        return {key: _copied(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_copied(item) for item in value]
+    return value
 
 
 def load_loader_state(loader: Any, state: dict[str, Any]) -> None:

@@ -54,16 +54,6 @@ _END = object()  # the epoch has ended
 _GROW = object()  # the ring must grow before anything else is dispatched
 _NOT_READY = int(Step.NOT_READY)
 
-def _floor_of(it: RingIterator) -> Callable[[], int]:
-    """``it.consumed_below``, without holding ``it`` (a dropped iterator must die at once)."""
-    ref = weakref.ref(it)
-
-    def floor() -> int:
-        live_it = ref()
-        return 0 if live_it is None else live_it.consumed_below()
-    return floor
-
-
 class RingIterator(_BaseDataLoaderIter):
     """Iterator over a DataLoader with ``num_workers > 0`` (sync and async)."""
 
@@ -115,10 +105,8 @@ class RingIterator(_BaseDataLoaderIter):
         self._snapshots = _checkpoint.Snapshots(self._every, self)
 
     def _resume(self, loader: Any, plan: _state_layout.Plan) -> None:
-        """Start where ``plan``'s snapshot was (``_checkpoint``'s NOTE): each worker's snapshot
-        (given to its config), round-robin after the last worker that delivered, the sampler. The
-        RNG is put back once the batches after the snapshot were made again (``after_replay``):
-        the sampler draws for them as it did."""
+        """Start where ``plan``'s snapshot was (``_checkpoint``'s NOTE); the RNG is put back once
+        the batches after it were made again (``after_replay``): the sampler draws for them."""
         self.after_replay = _checkpoint.resume_rng(loader, plan)
         if not self._delivery.resume_from(plan, _checkpoint.plan_keeps_position(plan, self._dataset, self._iterable)):
             return  # (its epoch ended, or it is made again from its start)
@@ -128,8 +116,7 @@ class RingIterator(_BaseDataLoaderIter):
 
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)
-        self._sampler_iter = _checkpoint.pulled_from(self._index_sampler, batches_of(self._index_sampler, self._sampler_iter),
-                                                     self._iterable, _floor_of(self))
+        self._sampler_iter = _checkpoint.pulled_from(self, batches_of(self._index_sampler, self._sampler_iter))
         self._pulled_before = 0  # batches of indices a resume drew before this iterator's first dispatch
         self.finished = False  # this epoch's StopIteration was raised
         self._failed_batches = 0

@@ -195,7 +195,8 @@ class SlowOne(torch.utils.data.Dataset):  # type: ignore[type-arg]
 @pytest.mark.parametrize("k", [4, 9])
 def test_an_out_of_order_epoch_resumes_exactly(k: int) -> None:
     # The batches consumed are not a prefix of the sampler's: the state says which tasks were,
-    # and the resumed epoch makes exactly the others, each once.
+    # and the resumed epoch makes exactly the others, each once; and so again after a second
+    # state taken in the resumed epoch (whose tasks skip the consumed ones).
     gate = multiprocessing.Event()
     first = shmloader.DataLoader(SlowOne(24, gate), batch_size=None, num_workers=2, in_order=False)
     it = iter(first)
@@ -205,10 +206,17 @@ def test_an_out_of_order_epoch_resumes_exactly(k: int) -> None:
     gate.set()
     del it
     close(first)
+    again = shmloader.DataLoader(SlowOne(24, gate), batch_size=None, num_workers=2, in_order=False)
+    again.load_state_dict(state)
+    it = iter(again)
+    middle = [int(next(it)) for _ in range(5)]
+    state = json.loads(json.dumps(again.state_dict()))
+    del it
+    close(again)
     resumed = shmloader.DataLoader(SlowOne(24, gate), batch_size=None, num_workers=2, in_order=False)
     resumed.load_state_dict(state)
     rest = [int(b) for b in resumed]
-    assert sorted(head + rest) == list(range(24))
+    assert sorted(head + middle + rest) == list(range(24))
 
 
 def _through_json(state: dict[str, Any], tmp: Any, template: dict[str, Any]) -> dict[str, Any]:
