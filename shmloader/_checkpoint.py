@@ -347,7 +347,7 @@ def _begun(loader: Any, torch_iter: Callable[[], Any], start: EpochStart, plan: 
             try:
                 epoch.last = dying.checkpoint()
             except Exception as error:  # (a state_dict() of this epoch then says so, never a wrong state)
-                epoch.last = error
+                epoch.last = error.with_traceback(None)  # (its frames would keep the dying iterator)
         it.last_words = last_words
     else:
         epoch.held = it
