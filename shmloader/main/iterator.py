@@ -43,6 +43,7 @@ from shmloader.main.lifecycle import Lifecycle, live
 from shmloader.main.overflow import OverflowBroker
 from shmloader.worker.produce import has_state, worker_configs
 from shmloader.wire.ring import Ring
+from shmloader.main.resume import RingCheckpoint
 from shmloader.main.scheduler import Scheduler, Step
 from shmloader._stats import Counters, RingOccupancy, occupancy
 from shmloader.main.wait import COPY, READY, Waiter, interrupted
@@ -54,7 +55,7 @@ _END = object()  # the epoch has ended
 _GROW = object()  # the ring must grow before anything else is dispatched
 _NOT_READY = int(Step.NOT_READY)
 
-class RingIterator(_BaseDataLoaderIter):
+class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
     """Iterator over a DataLoader with ``num_workers > 0`` (sync and async)."""
 
     def __init__(self, loader: Any) -> None:
@@ -103,16 +104,6 @@ class RingIterator(_BaseDataLoaderIter):
         if plan is not None:
             self._resume(loader, plan)
         self._snapshots = _checkpoint.Snapshots(self._every, self)
-
-    def _resume(self, loader: Any, plan: _state_layout.Plan) -> None:
-        """Start where ``plan``'s snapshot was (``_checkpoint``'s NOTE); the RNG is put back once
-        the batches after it were made again (``after_replay``): the sampler draws for them."""
-        self.after_replay = _checkpoint.resume_rng(loader, plan)
-        if not self._delivery.resume_from(plan, _checkpoint.plan_keeps_position(plan, self._dataset, self._iterable)):
-            return  # (its epoch ended, or it is made again from its start)
-        self._sched.resume_after(plan.active(self._num_workers), plan.last_worker if loader.in_order else None)
-        self._pulled_before = plan.below
-        _checkpoint.position(self, plan, self._iterable, None)
 
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)
@@ -422,25 +413,6 @@ class RingIterator(_BaseDataLoaderIter):
 
     def holding(self) -> int:
         return self._delivery.leases.holding()
-
-    def progress(self) -> _state_layout.Progress:
-        """Where this epoch is, for a checkpoint: batches consumed (yielded, or raised), and each
-        worker's snapshot after its last delivered batch or end of shard."""
-        consumed = self._num_yielded + self._failed_batches
-        seqs = self._delivery.consumed
-        dispatched = self._sched.send_seq
-        pulled = self._pulled_before + dispatched if seqs is None else seqs.original(dispatched)
-        return self._delivery.progress(consumed, self.finished, pulled,
-                                       _checkpoint.sampler_states(self, consumed if seqs is None else seqs.below))
-
-    def consumed_below(self) -> int:
-        """Every batch of the epoch below this one was consumed."""
-        seqs = self._delivery.consumed
-        return self._num_yielded + self._failed_batches if seqs is None else seqs.below
-
-    def checkpoint(self) -> tuple[_state_layout.Progress, int]:
-        """``progress()`` at the latest snapshot (``snapshot_every_n_steps``), and the batches since."""
-        return self._snapshots.checkpoint(self)
 
     def occupancy(self) -> RingOccupancy | None:
         ring = self._life.ring

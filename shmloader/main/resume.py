@@ -1,0 +1,55 @@
+"""A ring iterator's checkpoint side: where its epoch is, for ``state_dict()``, and where a
+resumed one starts (the ring's part of the NOTE at the top of ``_checkpoint.py``)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from shmloader import _checkpoint, _state_layout
+from shmloader.main.delivery import Delivery
+from shmloader.main.scheduler import Scheduler
+
+
+class RingCheckpoint:
+    """``RingIterator``'s checkpoint methods (a mixin: the state is the iterator's)."""
+
+    _delivery: Delivery
+    _sched: Scheduler
+    _dataset: Any
+    _iterable: bool
+    _num_workers: int
+    _num_yielded: int
+    _failed_batches: int
+    _pulled_before: int  # batches of indices a resume drew before this iterator's first dispatch
+    _snapshots: _checkpoint.Snapshots
+    finished: bool  # this epoch's StopIteration was raised
+    after_replay: Callable[[], None] | None  # (a resume's: _checkpoint calls it)
+
+    def _resume(self, loader: Any, plan: _state_layout.Plan) -> None:
+        """Start where ``plan``'s snapshot was (``_checkpoint``'s NOTE); the RNG is put back once
+        the batches after it were made again (``after_replay``): the sampler draws for them."""
+        self.after_replay = _checkpoint.resume_rng(loader, plan)
+        if not self._delivery.resume_from(plan, _checkpoint.plan_keeps_position(plan, self._dataset, self._iterable)):
+            return  # (its epoch ended, or it is made again from its start)
+        self._sched.resume_after(plan.active(self._num_workers), plan.last_worker if loader.in_order else None)
+        self._pulled_before = plan.below
+        _checkpoint.position(self, plan, self._iterable, None)
+
+    def progress(self) -> _state_layout.Progress:
+        """Where this epoch is, for a checkpoint: batches consumed (yielded, or raised), and each
+        worker's snapshot after its last delivered batch or end of shard."""
+        consumed = self._num_yielded + self._failed_batches
+        seqs = self._delivery.consumed
+        dispatched = self._sched.send_seq
+        pulled = self._pulled_before + dispatched if seqs is None else seqs.original(dispatched)
+        return self._delivery.progress(consumed, self.finished, pulled,
+                                       _checkpoint.sampler_states(self, consumed if seqs is None else seqs.below))
+
+    def consumed_below(self) -> int:
+        """Every batch of the epoch below this one was consumed."""
+        seqs = self._delivery.consumed
+        return self._num_yielded + self._failed_batches if seqs is None else seqs.below
+
+    def checkpoint(self) -> tuple[_state_layout.Progress, int]:
+        """``progress()`` at the latest snapshot (``snapshot_every_n_steps``), and the batches since."""
+        return self._snapshots.checkpoint(self)
