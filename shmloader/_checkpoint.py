@@ -31,7 +31,8 @@ NOTE [ What a resume restores, in order ]
    iterator's ``load_state_dict``. With ``in_order=True`` round-robin goes on after the last worker
    that delivered; with ``in_order=False`` the tasks already consumed are not made again.
 5. ``snapshot_every_n_steps=n``: the snapshot is the one at the latest multiple of n batches;
-   the batches after it are produced again and dropped. An IterableDataset with no state of
+   the batches after it are produced again and dropped (with ``in_order=False`` the state is
+   always taken now: batches made again would be whichever came first, not those consumed). An IterableDataset with no state of
    its own (nor its iterator) replays all of them: exact when its shards are deterministic.
 """
 

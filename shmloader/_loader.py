@@ -96,7 +96,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         snapshot_every_n_steps: torchdata's ``StatefulDataLoader`` option, with its meaning: a
             ``state_dict()`` is the snapshot at the latest multiple of n batches plus the count of
             batches since, which a resume produces again and drops. Default 1 (exact, nothing
-            produced again). 0 or None: only the epoch's start is a snapshot.
+            produced again). 0 or None: only the epoch's start is a snapshot. With
+            ``in_order=False`` the state is always taken at once.
         slot_bytes: a hint for the bytes of one slot's data region. By default slots fit the
             first batch exactly (rounded up to a page). A batch that does not fit a slot is
             still delivered, zero-copy, through overflow shared memory, and the ring then grows

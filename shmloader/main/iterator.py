@@ -96,7 +96,9 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
                                self._delivery, self._broker, self._counters)
         self._waiter = Waiter(self._life, self._sched, self._delivery, self._counters)
         live.add(self)
-        self._every = getattr(loader, "snapshot_every_n_steps", 1)
+        # (in_order=False: always its state now; batches made again after a snapshot would not be
+        # the ones consumed, whichever came first)
+        self._every = getattr(loader, "snapshot_every_n_steps", 1) if loader.in_order else 1
         self.after_replay: Callable[[], None] | None = None  # (a resume's: _checkpoint calls it)
         if plan is not None and plan.finished and not self._iterable:
             _checkpoint.carry_sampler(self._index_sampler, plan)  # (persistent workers' next epoch)
