@@ -15,8 +15,8 @@ a worker's pipe, and the device stager. A batch is, in order of preference:
   returns once the copy has completed.
 
 For an IterableDataset, or a dataset with a state of its own, it also keeps each worker's
-snapshot after its last batch (or end of shard)
-delivered: where a replacement resumes, and what a checkpoint saves.
+snapshot after its last delivered batch (or end of shard): where a replacement resumes, and
+what a checkpoint saves; for an ``in_order=False`` epoch, which tasks were consumed.
 """
 
 from __future__ import annotations

@@ -45,9 +45,10 @@ class WorkerConfig:
     parent_pid: int
     parent_check_s: float = 0.5  # how often an idle worker checks that the loader lives
     # A worker snapshot (``snapshot``'s format) to start from: a checkpoint's, or a dead
-    # predecessor's. Loaded at the first task, if that task is of ``dataset_state_epoch`` (None:
-    # whichever comes first). ``dataset_state_done``: it was taken after its epoch had ended, so
-    # the dataset is loaded and then begins an epoch anew (persistent workers between epochs).
+    # predecessor's, taken in epoch ``dataset_state_epoch`` (None: whichever comes first). Loaded
+    # at the first task: as it is in that epoch; in a later one (the worker had no task in it)
+    # as ``dataset_state_done`` says: taken after its epoch ended, so the dataset is loaded and
+    # then begins an epoch anew (persistent workers between epochs).
     dataset_state: bytes = b""
     dataset_state_epoch: int | None = None
     dataset_state_done: bool = False
