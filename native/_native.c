@@ -614,6 +614,7 @@ static int add_layout(PyObject *m) {
 }
 
 extern PyMethodDef shmloader_sync_methods[]; /* native/_sync.c */
+extern PyMethodDef shmloader_tensors_methods[]; /* native/_tensors.c */
 extern const int shmloader_sem_stride;
 int shmloader_share_init(PyObject *module); /* native/_share.c */
 int shmloader_schedule_init(PyObject *module); /* native/_schedule.c */
@@ -621,7 +622,7 @@ int shmloader_schedule_init(PyObject *module); /* native/_schedule.c */
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    if (PyModule_AddFunctions(m, shmloader_sync_methods) < 0 ||
+    if (PyModule_AddFunctions(m, shmloader_sync_methods) < 0 || PyModule_AddFunctions(m, shmloader_tensors_methods) < 0 ||
         PyModule_AddIntConstant(m, "SEM_STRIDE", shmloader_sem_stride) < 0 ||
         PyModule_AddIntConstant(m, "N_CODES", N_CODES) < 0 ||
         PyModule_AddIntConstant(m, "LEAF_ALIGN", LEAF_ALIGN) < 0 ||

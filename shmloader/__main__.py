@@ -1,14 +1,22 @@
-"""``python -m shmloader bench ...`` (also the ``shmloader`` console script)."""
+"""``python -m shmloader bench ...`` and ``python -m shmloader info`` (also the ``shmloader``
+console script)."""
 
 from __future__ import annotations
 
 import sys
 
+USAGE = """usage: shmloader info                 versions, whether the fast path is on, shared memory
+       shmloader bench [options]      shmloader against torch's DataLoader (--help for the options)"""
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv == ["info"]:
+        from shmloader._info import main as info
+
+        return info()
     if not argv or argv[0] != "bench":
-        print("usage: shmloader bench [options]   (shmloader bench --help for the options)", file=sys.stderr)
+        print(USAGE, file=sys.stderr)
         return 2
     from shmloader._bench import main as bench
 

@@ -1,41 +1,108 @@
-"""The C++ extension ``shmloader._tensors`` (``native/_tensors.cpp``), when it is there for the
-torch that runs.
+"""The fast path's native parts, whether each is on, and the command that turns one on.
 
-It is built where torch is importable at build time (``make`` installs torch first and builds
-without isolation) and records the torch version it was built against; built for another
-torch, or not built, it is not used, and torch's own functions do its work: ``torch.stack``
-for ``stack_into`` (about twenty times the cost for a batch of small samples) and
-``torch.from_numpy`` for ``from_array``. ``SHMLOADER_NO_TENSORS=1`` in the environment leaves it
-unused too (to compare, or to rule it out), in the workers as in the main process.
+``shmloader._native`` is the ring (required: shmloader does not import without it). Its
+``stack_into`` stacks a worker's plain samples with one memcpy each; it reads torch's tensors
+without torch's C++ API, so the one build serves every torch, after ``learn_tensors`` has found
+and checked, here, where this torch keeps what it reads (``native/_tensors.c``). If this torch's
+tensors are not recognised, or ``SHMLOADER_NO_FAST_PATH=1`` is in the environment, workers stack
+with ``torch.stack`` (about 8 times the CPU for a batch of small samples), and the first
+``DataLoader`` with workers says so once, in a warning that points at the user's line.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
+import sys
 import warnings
-from types import ModuleType
+from importlib import metadata
+from types import FrameType
+from typing import Any, Callable
 
 import torch
 
+from shmloader import _native
 
-def load() -> ModuleType | None:
-    """The module, or None (said once, in a warning, unless SHMLOADER_NO_TENSORS asked for it)."""
-    if os.environ.get("SHMLOADER_NO_TENSORS"):
-        return None
+OFF_VARIABLE = "SHMLOADER_NO_FAST_PATH"
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+TORCH_LIB = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")  # (torch's C shim)
+
+
+def reinstall_command() -> str:
+    """The command that reinstalls this shmloader, as it was installed, and nothing else."""
     try:
-        from shmloader import _tensors
-    except ImportError as error:
-        why = f"it did not load ({error}); it is built when torch is installed first and shmloader " \
-              "after it without build isolation: pip install --no-build-isolation shmloader"
+        dist = metadata.distribution("shmloader")
+        direct = json.loads(dist.read_text("direct_url.json") or "null")
+    except (metadata.PackageNotFoundError, ValueError):
+        dist, direct = None, None
+    if dist is None or (direct is None and not os.path.isdir(os.path.join(PACKAGE_DIR, os.pardir, "native"))):
+        return "pip install --no-deps --force-reinstall shmloader"  # (from an index)
+    url = str((direct or {}).get("url", ""))
+    where = url.removeprefix("file://") if url.startswith("file://") else os.path.dirname(PACKAGE_DIR)
+    editable = bool((direct or {}).get("dir_info", {}).get("editable")) or direct is None
+    python = shlex.quote(sys.executable)
+    return f"{python} -m pip install --no-deps --force-reinstall {'-e ' if editable else ''}{shlex.quote(where)}"
+
+
+Off = tuple[str, str]  # why the fast path is off, and the command that turns it on
+
+
+def learn() -> tuple[Callable[[Any, torch.Tensor], bool] | None, Off | None]:
+    """``_native.stack_into`` once it knows this torch's tensors, or None and why not."""
+    if os.environ.get(OFF_VARIABLE):
+        return None, (f"{OFF_VARIABLE} is set in the environment", f"unset {OFF_VARIABLE}")
+    if not hasattr(_native, "learn_tensors"):
+        return None, ("shmloader._native predates stack_into (a stale build)", reinstall_command())
+    from shmloader.wire.layout import CODE_OF_DTYPE  # (the dtypes a slot holds)
+
+    try:  # (torch's own answers, which learn_tensors checks what it finds against)
+        plain = torch.arange(6.0).view(2, 3)
+        with torch.inference_mode():
+            inferred = torch.zeros(3)
+        others = [torch.zeros(3, dtype=torch.complex64).conj(), torch._neg_view(torch.zeros(3)),
+                  torch.empty(3, device="meta"), torch._efficientzerotensor(3)]
+        probes = [(t, t._cdata, torch._C._dispatch_keys(t).raw_repr(), t.data_ptr() if t.device.type == "cpu" else 0)
+                  for t in (plain, inferred, *others)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # ("ComplexHalf support is experimental")
+            dtypes = [(torch.empty(0, dtype=dtype), dtype.itemsize) for dtype in CODE_OF_DTYPE]
+        modes = (torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack)
+        requires_grad = torch._C.TensorBase.__dict__["requires_grad"]
+        fresh = [torch.zeros(3), torch.ones(2, 2, dtype=torch.int64), torch.empty(0)]
+        leaf = torch.zeros(3, requires_grad=True)
+        graded = [leaf, leaf * 2, leaf[1:], torch.ones(2).requires_grad_()]
+    except (AttributeError, KeyError, RuntimeError, TypeError) as error:
+        why = f"{type(error).__name__}: {error}"
     else:
-        if _tensors.TORCH_VERSION == torch.__version__:
-            return _tensors
-        why = f"it was built for torch {_tensors.TORCH_VERSION}, and torch {torch.__version__} runs: " \
-              "reinstall shmloader (pip install --no-build-isolation --force-reinstall shmloader)"
-    warnings.warn(f"shmloader runs without its C++ extension shmloader._tensors, so its workers stack samples "
-                  f"with torch.stack (up to 20 times the CPU for small samples): {why}. "
-                  "SHMLOADER_NO_TENSORS=1 silences this.", RuntimeWarning, stacklevel=2)
-    return None
+        why = _native.learn_tensors(TORCH_LIB, torch.Tensor, requires_grad, modes, dtypes, probes, fresh, graded)
+    if why is not None:  # (a newer shmloader may know them)
+        return None, (f"torch {torch.__version__}'s tensors are not recognised: {why}",
+                      reinstall_command().replace("--force-reinstall", "--upgrade"))
+    return _native.stack_into, None
 
 
-TENSORS = load()
+STACK_INTO, WHY_OFF = learn()
+_warned = False
+
+
+def warn_if_off() -> None:
+    """Say once, from the first line outside shmloader, that workers stack with torch.stack."""
+    global _warned
+    if WHY_OFF is None or _warned or os.environ.get(OFF_VARIABLE):
+        return
+    _warned = True
+    why, command = WHY_OFF
+    warnings.warn(f"shmloader's workers stack samples with torch.stack (about 8 times the CPU for a batch of small samples): "
+                  f"{why}. To turn its fast path on: {command} ({OFF_VARIABLE}=1 silences this)",
+                  RuntimeWarning, stacklevel=user_stacklevel())
+
+
+def user_stacklevel() -> int:
+    """warnings.warn's stacklevel for the caller's first frame outside shmloader (and torch's loader)."""
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
+    while frame is not None and (frame.f_code.co_filename.startswith(PACKAGE_DIR + os.sep)
+                                 or os.sep.join(("torch", "utils", "data")) in frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 import torch
 import torch.utils.data
 
-from shmloader import _checkpoint, _state_layout
+from shmloader import _accel, _checkpoint, _state_layout
 
 from shmloader.main import device as _device
 from shmloader.main.budget import parse_size
@@ -41,6 +41,8 @@ def attach_options(loader: Any, *, slot_bytes: int | None = None, device: str | 
     shmloader's options as attributes (public ones, so frameworks that re-create a loader from
     its attributes keep them) and what its ring iterators read and write."""
     check_options(slot_bytes=slot_bytes, device_prefetch=device_prefetch, max_worker_restarts=max_worker_restarts)
+    if loader.num_workers > 0:
+        _accel.warn_if_off()  # (its workers would stack with torch.stack: said once, at the user's line)
     loader.slot_bytes = slot_bytes
     loader.memory_budget = memory_budget
     loader.max_worker_restarts = max_worker_restarts

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import collections
 import collections.abc
+import errno
 import io
+import mmap
+import os
 import pickle
 import threading
 import weakref
@@ -23,7 +26,6 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from shmloader import _native
-from shmloader._accel import TENSORS
 from shmloader._errors import CorruptSlotError
 from shmloader.wire.layout import _NUMPY_MAX_NDIM, LONE_LEAF, NP_DTYPES, STORAGE, TYPED_STORAGE, VIEW, Field, Kind, Region, view_leaf
 from shmloader.wire.ring import Ring
@@ -211,8 +213,8 @@ def copy_leaf(leaf: Any, kind: int) -> Any:
     """A converter that makes a leaf independent of the slot."""
     if kind != _TENSOR:
         return leaf.copy()
-    if _copy_out is not None and leaf.nbytes >= _COPY_OUT_FROM:
-        out = _copy_out(leaf)
+    if leaf.nbytes >= _COPY_OUT_FROM:
+        out = copy_out(leaf)
         if out is not None:
             return out
     return leaf.clone()
@@ -278,16 +280,43 @@ def read_batch(ring: Ring, slot: int, convert: LeafConverter | None = None,
     return batch, base, total
 
 
-# torch.from_numpy for the array lend_lone makes over a slot (0.4 µs less a batch here) when the C++
-# extension is there
-_from_array = torch.from_numpy if TENSORS is None else TENSORS.from_array
-
-
 # A tensor of this many bytes or more is copied out of its slot into a memory file of its own
-# (the C++ extension: shared memory nobody else maps, as torch's batches are); smaller ones come
-# from the allocator's heap (clone)
+# (copy_out: shared memory nobody else maps, as torch's batches are); smaller ones come from the
+# allocator's heap (clone)
 _COPY_OUT_FROM = 1 << 16
-_copy_out = None if TENSORS is None else TENSORS.copy_out
+# memfd_create's flags: MFD_NOEXEC_SEAL where the kernel has it (6.3; without it, it warns, and
+# refuses under vm.memfd_noexec=2), dropped after the first EINVAL (an older kernel)
+_memfd_flags = os.MFD_CLOEXEC | getattr(os, "MFD_NOEXEC_SEAL", 0x0008)
+
+
+def copy_out(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``tensor.clone()`` for a plain contiguous CPU tensor, into a memory file of its own
+    (memfd) written with pwrite and mapped unpopulated: shared memory that no other process maps,
+    as torch's held batches are, so a process's PSS counts its pages once they are read, as it
+    counts torch's. None for anything else, or when no memory file or mapping could be had
+    (clone it)."""
+    global _memfd_flags
+    if (type(tensor) is not torch.Tensor or tensor.device.type != "cpu" or tensor.layout != torch.strided
+            or not tensor.is_contiguous() or tensor.requires_grad or tensor.is_conj() or tensor.is_neg()
+            or tensor.nbytes == 0):
+        return None
+    try:
+        fd = os.memfd_create("shmloader-copy", _memfd_flags)
+    except OSError as error:
+        if error.errno != errno.EINVAL or _memfd_flags == os.MFD_CLOEXEC:
+            return None
+        _memfd_flags = os.MFD_CLOEXEC
+        return copy_out(tensor)
+    try:
+        data, done = memoryview(tensor.view(-1).view(torch.uint8).numpy().data), 0
+        while done < len(data):
+            done += os.pwrite(fd, data[done:], done)
+        mapped = mmap.mmap(fd, len(data))
+    except OSError:
+        return None  # (no memory for the file, no mapping left)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mapped, dtype=tensor.dtype).view(tensor.shape)  # unmapped with its last view
 
 
 def lone_args(ring: Ring, most_lent: int) -> tuple[Any, ...]:
@@ -295,7 +324,7 @@ def lone_args(ring: Ring, most_lent: int) -> tuple[Any, ...]:
     one tensor in its slot) and ``Leases.lend`` in one call, while fewer than ``most_lent``
     slots are lent (else the caller decides whether to copy: see ``Delivery.most_lent``)."""
     return (ring.mm, ring.header_offsets, ring.data_offsets, ring.geometry.data_bytes, LONE_LEAF, int(_REGION),
-            _SLOT, _TENSOR, NP_DTYPES, _NUMPY_MAX_NDIM, np.ndarray, _from_array, most_lent)
+            _SLOT, _TENSOR, NP_DTYPES, _NUMPY_MAX_NDIM, np.ndarray, torch.from_numpy, most_lent)
 
 
 def slot_of(ring: Ring, obj: Any) -> int | None:

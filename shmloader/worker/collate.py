@@ -28,7 +28,7 @@ import torch
 from torch.utils.data._utils import collate as torch_collate
 
 from shmloader import _native
-from shmloader._accel import TENSORS
+from shmloader._accel import STACK_INTO
 from shmloader.wire.layout import (CODE_OF_DTYPE, CODE_OF_NP_DTYPE, LEAF_ALIGN, LONE_LEAF, STORAGE, TORCH_ONLY_CODES,
                       TYPED_STORAGE, VIEW, Kind, round_up, table_bytes, view_leaf)
 
@@ -42,8 +42,8 @@ _TENSOR_DTYPES = {dtype: (code, dtype.itemsize) for dtype, code in CODE_OF_DTYPE
 ALIAS_SPAN = 4
 _VIEW_CACHE = 256  # leaf views a writer keeps (a batch with many leaves, shapes that vary: start over)
 
-# torch.stack into a slot as one memcpy per plain sample (None: the C++ extension is not there)
-_stack_into = None if TENSORS is None else TENSORS.stack_into
+# torch.stack into a slot as one memcpy per plain sample (None: this torch's tensors are not known)
+_stack_into = STACK_INTO
 
 
 class SlotWriter:

@@ -50,15 +50,15 @@ def test_the_readme_has_a_commands_table_with_a_check_per_command() -> None:
 
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    """The tracked tree, copied, with this checkout's built extensions beside it (a clone builds
-    its own with ``pip install --no-build-isolation -e .``; the commands run from the tree, not
-    the install)."""
+    """The tracked tree, copied, with this checkout's built extension beside it (a clone builds
+    its own with ``make`` or ``pip install -e .``; the commands run from the tree, not the
+    install)."""
     tree = tmp_path_factory.mktemp("clone")
     for name in tracked_files():
         target = tree / name
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, target)
-    for built in [*(ROOT / "shmloader").glob("_native*.so"), *(ROOT / "shmloader").glob("_tensors*.so")]:
+    for built in (ROOT / "shmloader").glob("_native*.so"):
         shutil.copy2(built, tree / "shmloader" / built.name)
     return tree
 

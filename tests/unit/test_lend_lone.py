@@ -1,8 +1,7 @@
 """``_native.lend_lone`` builds what ``read_batch`` builds for a batch that is one tensor in its
 slot, and lends it as ``Leases.lend`` would; for anything else it answers None and changes
-nothing, so that ``read_batch`` builds that batch or says what is wrong with it. Every test runs
-with the tensor made by the C++ extension (``_tensors.from_array``) and by ``torch.from_numpy``
-(what runs without it)."""
+nothing, so that ``read_batch`` builds that batch or says what is wrong with it. The tensor it
+lends over the slot's array is ``torch.from_numpy``'s."""
 
 from __future__ import annotations
 
@@ -15,9 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from shmloader import CorruptSlotError, _native, _tensors
+from shmloader import CorruptSlotError, _native
 
-from shmloader.main import lease as _lease
 from shmloader.worker.collate import SlotWriter
 from shmloader.wire.layout import Field, Region, RingGeometry
 from shmloader.main.lease import lone_args, read_batch
@@ -25,11 +23,6 @@ from shmloader.wire.ring import _Views
 
 GEOMETRY = RingGeometry(num_workers=1, num_slots=3, data_bytes=1 << 19)
 MOST_LENT = 2  # Delivery.most_lent() of this ring: one slot left to its one worker
-
-
-@pytest.fixture(autouse=True, params=[_tensors.from_array, torch.from_numpy], ids=["from_array", "from_numpy"])
-def tensor_maker(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_lease, "_from_array", request.param)
 
 
 def written(batch: Any, slot: int = 1) -> _Views:

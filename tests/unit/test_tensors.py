@@ -1,11 +1,13 @@
-"""The C++ extension ``_tensors``. ``stack_into``: torch.stack(samples, 0, out=out) as one
-memcpy per plain sample; ``from_array``: torch.from_numpy for the array a lent batch is made of.
+"""``_native.stack_into``: torch.stack(samples, 0, out=out) as one memcpy per plain sample,
+reading torch's tensors without torch's C++ API (``_accel.learn`` teaches it this torch's
+layout, checked against torch's own answers); and ``lease.copy_out``: a held batch's copy in a
+memory file of its own.
 
-``stack_into`` must stack exactly what torch.stack stacks, bit for bit, and refuse (False,
-nothing written) every sample whose copy is not a plain memcpy, so that torch.stack then does
-it or raises its own error. ``from_array`` must make what torch.from_numpy makes, and keep the
-array alive exactly as long as the tensor's memory. ``make`` builds it (torch is installed before the package): the default
-test run checks it is there, so the fast path is the one under test.
+``stack_into`` must stack exactly the bytes torch.stack stacks and refuse (False, nothing
+written) every sample whose copy is not a plain memcpy, so that torch.stack then does it or
+raises its own error. (It does not bump ``out``'s version counter as stack(out=) does: ``out`` is
+a worker's view of its slot, which no autograd graph holds.) The default test run checks that
+it learned this torch, so the fast path is the one under test.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 import gc
 import mmap
 import os
-import sys
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,7 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from shmloader import _accel, _tensors
+from shmloader import _accel, _native
 
 from shmloader.worker import collate as _collate
 
@@ -31,7 +32,7 @@ from shmloader.wire.layout import CODE_OF_DTYPE, Kind
 from tests.unit.test_device import mapped
 from tests.conftest import same
 
-stack_into = _tensors.stack_into
+stack_into = _native.stack_into
 SENTINEL = 0x5A  # out's bytes before a refused call: a refusal writes none
 
 
@@ -52,11 +53,17 @@ def samples_of(dtype: torch.dtype, n: int = 5, shape: tuple[int, ...] = (3, 4)) 
     return [raw[i, : itemsize * torch.Size(shape).numel()].view(dtype).view(shape) for i in range(n)]
 
 
-@pytest.mark.skipif(bool(os.environ.get("SHMLOADER_NO_TENSORS")), reason="SHMLOADER_NO_TENSORS: asked to run without it")
-def test_the_extension_is_built_for_this_torch() -> None:
-    assert _tensors.TORCH_VERSION == torch.__version__
+@pytest.fixture
+def relearn() -> Any:
+    """Teach stack_into this torch again after a test that unlearned it."""
+    yield
+    assert _accel.learn() == (stack_into, None)
+
+
+@pytest.mark.skipif(bool(os.environ.get(_accel.OFF_VARIABLE)), reason="SHMLOADER_NO_FAST_PATH: asked to run without it")
+def test_stack_into_knows_this_torch() -> None:
+    assert (_accel.STACK_INTO, _accel.WHY_OFF) == (stack_into, None)
     assert _collate._stack_into is stack_into
-    assert _lease._from_array is _tensors.from_array
 
 
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
@@ -79,11 +86,23 @@ def test_odd_sample_shapes(shape: tuple[int, ...]) -> None:
     assert stack_into(tuple(samples), out) is True  # torch's collate hands tuples of a sequence's fields
 
 
-def test_a_write_is_counted_in_the_version_as_stack_counts_it() -> None:
-    samples, out = samples_of(torch.float32), torch.empty((5, 3, 4))
-    before = out._version
-    assert stack_into(samples, out)
-    assert out._version == before + 1
+def accepted() -> list[tuple[str, list[torch.Tensor]]]:
+    rows = torch.arange(60.0).view(5, 3, 4)
+    with torch.inference_mode():
+        inferred = [torch.full((3, 4), float(i)) for i in range(5)]
+    once_graded = [torch.zeros(3, 4).requires_grad_().requires_grad_(False) for _ in range(5)]
+    with torch.no_grad():
+        detached = [(torch.ones(3, 4, requires_grad=True) * i) for i in range(5)]
+    return [("views of one tensor", [rows[i] for i in range(5)]), ("made in inference mode", inferred),
+            ("needed grad once", once_graded), ("made under no_grad from tensors that need it", detached),
+            ("from numpy", [torch.from_numpy(np.full((3, 4), i, dtype=np.float32)) for i in range(5)])]
+
+
+@pytest.mark.parametrize("name, samples", accepted(), ids=[c[0] for c in accepted()])
+def test_plain_samples_however_made_are_stacked(name: str, samples: list[torch.Tensor]) -> None:
+    out = fresh_out((5, 3, 4), torch.float32)
+    assert stack_into(samples, out) is True
+    assert torch.equal(out, torch.stack(samples))
 
 
 class Sub(torch.Tensor):
@@ -105,6 +124,13 @@ def refusals() -> list[tuple[str, Any, torch.Tensor]]:
         ("requires grad", base[:4] + [torch.zeros(3, 4, requires_grad=True)], out),
         ("a conjugate view", complex_[:4] + [complex_[4].conj()], fresh_out((5, 3, 4), torch.complex64)),
         ("a negative view", base[:4] + [torch._neg_view(base[4])], out),
+        ("the imaginary part of a conjugate", [torch.zeros(1, dtype=torch.complex64).conj().imag for _ in range(5)],
+         fresh_out((5, 1), torch.float32)),
+        ("a zero tensor", base[:4] + [torch._efficientzerotensor(3, 4)], out),
+        ("on the meta device", base[:4] + [torch.empty(3, 4, device="meta")], out),
+        ("a view of a tensor that needs grad", base[:4] + [torch.zeros(2, 3, 4, requires_grad=True)[1]], out),
+        ("a result that needs grad", base[:4] + [torch.zeros(3, 4, requires_grad=True) * 2], out),
+
         ("sparse", base[:4] + [torch.zeros(3, 4).to_sparse()], out),
         ("not a tensor", base[:4] + [3.0], out),
         ("a generator", (t for t in base), out),
@@ -138,6 +164,22 @@ def test_a_torch_function_mode_sees_torch_stack() -> None:
     with Count():
         assert stack_into(samples, out) is False
     assert untouched(out)
+
+
+def test_a_torch_dispatch_mode_sees_torch_stack() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[str] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    samples, out = samples_of(torch.float32), fresh_out((5, 3, 4), torch.float32)
+    with Record():
+        assert stack_into(samples, out) is False
+    assert untouched(out) and not seen
 
 
 def test_a_non_tensor_out_is_a_type_error() -> None:
@@ -178,85 +220,33 @@ def test_collate_into_a_slot_equals_default_collate_with_and_without_it(
         assert any(stacked) == plain and stacked, stacked
 
 
-def test_a_build_for_another_torch_or_the_environment_variable_leaves_it_unused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_tensors, "TORCH_VERSION", "0.0.0")
-    with pytest.warns(RuntimeWarning, match=r"built for torch 0\.0\.0, and torch .* runs: reinstall shmloader"):
-        assert _accel.load() is None
-    monkeypatch.undo()
-    assert _accel.load() is _tensors
-    monkeypatch.setenv("SHMLOADER_NO_TENSORS", "1")
-    assert _accel.load() is None
+def test_the_environment_variable_turns_it_off_and_says_how_to_turn_it_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(_accel.OFF_VARIABLE, "1")
+    assert _accel.learn() == (None, ("SHMLOADER_NO_FAST_PATH is set in the environment", "unset SHMLOADER_NO_FAST_PATH"))
+
+
+def test_a_torch_whose_tensors_do_not_match_leaves_it_unlearned(relearn: None) -> None:
+    plain, other = torch.zeros(3), torch.zeros(2)
+    probes = [(t, t._cdata + 8, torch._C._dispatch_keys(t).raw_repr(), t.data_ptr()) for t in (plain, other)] * 2
+    grad = torch.zeros(1, requires_grad=True)
+    why = _native.learn_tensors(_accel.TORCH_LIB, torch.Tensor, torch._C.TensorBase.__dict__["requires_grad"],
+                                (torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack),
+                                [], probes, [plain, other], [grad, grad])
+    assert why == f"no word of a {torch.Tensor.__basicsize__}-byte tensor object holds its TensorImpl"
+    samples, out = samples_of(torch.float32), fresh_out((5, 3, 4), torch.float32)
+    assert stack_into(samples, out) is False and untouched(out)  # (unlearned: nothing read, nothing written)
 
 
 def test_its_functions_have_text_signatures() -> None:
     import inspect
 
     assert str(inspect.signature(stack_into)) == "(samples, out, /)"
-    assert str(inspect.signature(_tensors.from_array)) == "(array, /)"
-    assert str(inspect.signature(_tensors.copy_out)) == "(tensor, /)"
-
-
-NP_DTYPES = [np.bool_, np.uint8, np.int8, np.int16, np.int32, np.int64, np.float16, np.float32, np.float64,
-             np.complex64, np.complex128, np.uint16, np.uint32, np.uint64]
-
-
-@pytest.mark.parametrize("dtype", NP_DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("shape", [(), (0,), (5,), (2, 3, 4)], ids=str)
-def test_from_array_makes_what_from_numpy_makes(dtype: Any, shape: tuple[int, ...]) -> None:
-    array = (np.arange(int(np.prod(shape))) % 7).astype(dtype).reshape(shape)
-    want, got = torch.from_numpy(array), _tensors.from_array(array)
-    assert (got.dtype, got.shape) == (want.dtype, want.shape)
-    assert torch.equal(got, want) and not got.requires_grad
-    if array.size:  # (an empty tensor's strides mean nothing; lend_lone leaves empty batches to read_batch)
-        assert got.stride() == want.stride()
-        assert got.data_ptr() == array.ctypes.data  # shared, not copied
-        got.view(-1)[0] = 1
-        assert array.reshape(-1)[0] == 1
-
-
-def test_from_array_keeps_its_exporter_from_resizing_what_the_tensor_views() -> None:
-    data = bytearray(16)
-    tensor = _tensors.from_array(data)
-    with pytest.raises(BufferError):
-        data.extend(b"more")  # exported: a resize would leave the tensor viewing freed memory
-    tensor[0] = 7
-    assert data[0] == 7
-    del tensor
-    data.extend(b"more")  # released with the tensor's memory
-
-
-def test_from_array_keeps_the_array_as_long_as_its_memory_lives() -> None:
-    array = np.arange(12, dtype=np.float32)
-    before = sys.getrefcount(array)
-    tensor = _tensors.from_array(array)
-    row = tensor[4:]
-    del tensor
-    gc.collect()
-    assert sys.getrefcount(array) == before + 1  # the view keeps the storage, which keeps the array
-    del row
-    gc.collect()
-    assert sys.getrefcount(array) == before
-
-
-@pytest.mark.parametrize(
-    "array, error",
-    [
-        (np.arange(12, dtype=np.float32).reshape(3, 4).T, "contiguous"),
-        (np.frombuffer(b"abcd", dtype=np.uint8), "writable|read-only"),
-        (np.zeros(3, dtype="datetime64[s]"), "format|dtype|buffer"),
-        (np.zeros(2, dtype=">f4"), "dtype torch has no tensor of"),
-    ],
-    ids=["transposed", "read-only", "datetime", "big-endian"],
-)
-def test_from_array_refuses_what_it_cannot_share(array: Any, error: str) -> None:
-    with pytest.raises((TypeError, BufferError, ValueError), match=error):
-        _tensors.from_array(array)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.uint8, torch.bool, torch.complex64, torch.bfloat16], ids=str)
 def test_copy_out_is_a_clone_in_pages_of_its_own(dtype: torch.dtype) -> None:
     src = torch.arange(3 * 70_000).reshape(3, 70_000).to(dtype)
-    out = _tensors.copy_out(src)
+    out = _lease.copy_out(src)
     assert out is not None
     assert (out.dtype, out.shape, out.stride()) == (src.dtype, src.shape, src.stride())
     assert torch.equal(out, src) and out.data_ptr() != src.data_ptr() and out.data_ptr() % 4096 == 0
@@ -265,7 +255,7 @@ def test_copy_out_is_a_clone_in_pages_of_its_own(dtype: torch.dtype) -> None:
 
 
 def test_copy_out_gives_its_pages_back_with_its_last_view() -> None:
-    out = _tensors.copy_out(torch.ones(1 << 20, dtype=torch.uint8))
+    out = _lease.copy_out(torch.ones(1 << 20, dtype=torch.uint8))
     assert out is not None
     row = out[10:]
     ptr = out.data_ptr()
@@ -282,7 +272,7 @@ def test_copy_out_gives_its_pages_back_with_its_last_view() -> None:
     ids=["transposed", "empty", "conjugate", "sparse", "requires grad", "subclass"],
 )
 def test_copy_out_leaves_other_tensors_to_clone(tensor: torch.Tensor) -> None:
-    assert _tensors.copy_out(tensor) is None
+    assert _lease.copy_out(tensor) is None
 
 
 def test_copy_leaf_copies_large_tensors_out_and_small_ones_by_clone() -> None:
@@ -303,26 +293,18 @@ def copies_mapped() -> int:
 def test_copy_out_is_a_memory_file_of_its_own_unmapped_with_the_tensor() -> None:
     src = torch.arange(70_000, dtype=torch.float32)
     before = copies_mapped()
-    out = _tensors.copy_out(src)
+    out = _lease.copy_out(src)
     assert out is not None and torch.equal(out, src) and out.data_ptr() != src.data_ptr()
     assert copies_mapped() == before + 1
     del out
     assert copies_mapped() == before
 
 
-def test_a_failed_from_blob_gives_back_the_buffer_and_the_mapping() -> None:
-    mm = mmap.mmap(-1, 4096)
-    array = np.frombuffer(mm, dtype=np.float32)
-    before = copies_mapped()
-    _tensors._fail_from_blob(2)
-    try:
-        with pytest.raises(RuntimeError, match="injected"):
-            _tensors.from_array(array)
-        with pytest.raises(RuntimeError, match="injected"):
-            _tensors.copy_out(torch.ones(70_000))
-    finally:
-        _tensors._fail_from_blob(0)
-    assert copies_mapped() == before  # copy_out's memory file unmapped
-    del array
-    mm.close()  # BufferError if from_array had left its buffer exported
+def test_a_failed_mapping_leaves_no_memory_file_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_mapping(*args: Any) -> None:
+        raise OSError(12, "Cannot allocate memory")
 
+    fds, before = len(os.listdir("/proc/self/fd")), copies_mapped()
+    monkeypatch.setattr(mmap, "mmap", no_mapping)
+    assert _lease.copy_out(torch.ones(70_000)) is None  # (copy_leaf then clones)
+    assert len(os.listdir("/proc/self/fd")) == fds and copies_mapped() == before

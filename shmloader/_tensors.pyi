@@ -1,9 +1,0 @@
-import torch
-
-TORCH_VERSION: str
-
-def stack_into(samples: object, out: torch.Tensor, /) -> bool: ...
-
-def from_array(array: object, /) -> torch.Tensor: ...
-
-def copy_out(tensor: torch.Tensor, /) -> torch.Tensor | None: ...
