@@ -618,6 +618,7 @@ extern PyMethodDef shmloader_tensors_methods[]; /* native/_tensors.c */
 extern const int shmloader_sem_stride;
 int shmloader_share_init(PyObject *module); /* native/_share.c */
 int shmloader_schedule_init(PyObject *module); /* native/_schedule.c */
+int shmloader_pages_init(PyObject *module); /* native/_pages.c */
 
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m = PyModule_Create(&module);
@@ -630,7 +631,8 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddIntConstant(m, "N_KINDS", N_KINDS) < 0 ||
         PyModule_AddIntConstant(m, "TABLE_HEAD", TABLE_HEAD) < 0 ||
         PyModule_AddIntConstant(m, "ENTRY_FIXED", ENTRY_FIXED) < 0 ||
-        add_layout(m) < 0 || add_itemsizes(m) < 0 || shmloader_share_init(m) < 0 || shmloader_schedule_init(m) < 0) {
+        add_layout(m) < 0 || add_itemsizes(m) < 0 || shmloader_share_init(m) < 0 || shmloader_schedule_init(m) < 0 ||
+        shmloader_pages_init(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

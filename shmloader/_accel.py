@@ -56,6 +56,7 @@ def learn() -> tuple[Callable[[Any, torch.Tensor], bool] | None, Off | None]:
         return None, ("shmloader._native predates stack_into (a stale build)", reinstall_command())
     from shmloader.wire.layout import CODE_OF_DTYPE  # (the dtypes a slot holds)
 
+    why: str | None
     try:  # (torch's own answers, which learn_tensors checks what it finds against)
         plain = torch.arange(6.0).view(2, 3)
         with torch.inference_mode():

@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import collections
 import collections.abc
-import errno
 import io
-import mmap
-import os
 import pickle
 import threading
 import weakref
@@ -284,39 +281,23 @@ def read_batch(ring: Ring, slot: int, convert: LeafConverter | None = None,
 # (copy_out: shared memory nobody else maps, as torch's batches are); smaller ones come from the
 # allocator's heap (clone)
 _COPY_OUT_FROM = 1 << 16
-# memfd_create's flags: MFD_NOEXEC_SEAL where the kernel has it (6.3; without it, it warns, and
-# refuses under vm.memfd_noexec=2), dropped after the first EINVAL (an older kernel)
-_memfd_flags = os.MFD_CLOEXEC | getattr(os, "MFD_NOEXEC_SEAL", 0x0008)
 
 
 def copy_out(tensor: torch.Tensor) -> torch.Tensor | None:
-    """``tensor.clone()`` for a plain contiguous CPU tensor, into a memory file of its own
-    (memfd) written with pwrite and mapped unpopulated: shared memory that no other process maps,
-    as torch's held batches are, so a process's PSS counts its pages once they are read, as it
-    counts torch's. None for anything else, or when no memory file or mapping could be had
-    (clone it)."""
-    global _memfd_flags
-    if (type(tensor) is not torch.Tensor or tensor.device.type != "cpu" or tensor.layout != torch.strided
-            or not tensor.is_contiguous() or tensor.requires_grad or tensor.is_conj() or tensor.is_neg()
-            or tensor.nbytes == 0):
+    """``tensor.clone()`` for a leaf ``read_batch`` made (a plain contiguous CPU tensor over
+    slot memory) into a memory file of its own (``_native.copy_pages``: shared memory that no
+    other process maps, as torch's held batches are). None for any other tensor, or when no
+    memory file or mapping could be had (clone it)."""
+    if (type(tensor) is not torch.Tensor or tensor.layout != torch.strided or not tensor.is_contiguous()
+            or tensor.nbytes == 0 or tensor.device.type != "cpu" or tensor.requires_grad or tensor.is_conj()
+            or tensor.is_neg()):
         return None
-    try:
-        fd = os.memfd_create("shmloader-copy", _memfd_flags)
-    except OSError as error:
-        if error.errno != errno.EINVAL or _memfd_flags == os.MFD_CLOEXEC:
-            return None
-        _memfd_flags = os.MFD_CLOEXEC
-        return copy_out(tensor)
-    try:
-        data, done = memoryview(tensor.view(-1).view(torch.uint8).numpy().data), 0
-        while done < len(data):
-            done += os.pwrite(fd, data[done:], done)
-        mapped = mmap.mmap(fd, len(data))
-    except OSError:
-        return None  # (no memory for the file, no mapping left)
-    finally:
-        os.close(fd)
-    return torch.frombuffer(mapped, dtype=tensor.dtype).view(tensor.shape)  # unmapped with its last view
+    pages = _native.copy_pages(tensor.data_ptr(), tensor.nbytes)
+    if pages is None:
+        return None
+    shape = tuple(tensor.shape)  # (view(*ints) parses in a third of view(torch.Size)'s time)
+    return torch.frombuffer(pages, dtype=tensor.dtype).view(*shape) if shape else torch.frombuffer(
+        pages, dtype=tensor.dtype).view(())
 
 
 def lone_args(ring: Ring, most_lent: int) -> tuple[Any, ...]:

@@ -128,12 +128,14 @@ class SlotWriter:
                 or obj.layout is not torch.strided
                 or obj.device.type != "cpu"
                 or obj.requires_grad
-                or obj.dtype not in CODE_OF_DTYPE
+                or obj.dtype not in CODE_OF_DTYPE and (obj.is_quantized or obj.is_conj() or obj.is_neg() or not obj.numel())
             ):
                 return None
             storage = None if obj.is_conj() or obj.is_neg() or not obj.numel() else obj.untyped_storage()
             if storage is not None:  # (conjugate and negative views are resolved into a copy)
-                view = self._view_of(obj, storage)
+                # A dtype newer than this shmloader (bcomplex32 in torch 2.14) has no code: its
+                # bytes, viewed by the dtype's name (torch's own pickle of it did not load back)
+                view = self._view_of(obj, storage, always=obj.dtype not in CODE_OF_DTYPE)
                 if view is not None:
                     self._ids[id(obj)] = view
                     self._keep.append(obj)
@@ -158,9 +160,10 @@ class SlotWriter:
         self._keep.append(obj)
         return leaf_id
 
-    def _view_of(self, obj: torch.Tensor, storage: torch.UntypedStorage) -> View | None:
-        """``obj`` as a view of a leaf of its storage's bytes, or None for a tensor that is its
-        whole storage, contiguous, not seen before (the common case: a leaf of its own)."""
+    def _view_of(self, obj: torch.Tensor, storage: torch.UntypedStorage, always: bool = False) -> View | None:
+        """``obj`` as a view of a leaf of its storage's bytes, or (unless ``always``) None for a
+        tensor that is its whole storage, contiguous, not seen before (the common case: a leaf
+        of its own)."""
         itemsize = obj.element_size()
         start = int(obj.storage_offset()) * itemsize
         end = start + (1 + sum((int(n) - 1) * st for n, st in zip(obj.shape, obj.stride()))) * itemsize
@@ -169,7 +172,7 @@ class SlotWriter:
             if first <= start and end <= last and (start - first) % itemsize == 0:
                 return (VIEW, leaf, dtype, (start - first) // itemsize, tuple(obj.shape), obj.stride(), len(self._ids))
         nbytes = int(storage.nbytes())
-        if start == 0 and end == nbytes and obj.is_contiguous():
+        if start == 0 and end == nbytes and obj.is_contiguous() and not always:
             return None
         # Its whole storage when that is at most ALIAS_SPAN times what it spans (then x[:1]
         # before x still shares x's leaf); otherwise only its span (a row of a dataset-sized

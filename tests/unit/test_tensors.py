@@ -300,11 +300,24 @@ def test_copy_out_is_a_memory_file_of_its_own_unmapped_with_the_tensor() -> None
     assert copies_mapped() == before
 
 
-def test_a_failed_mapping_leaves_no_memory_file_behind(monkeypatch: pytest.MonkeyPatch) -> None:
-    def no_mapping(*args: Any) -> None:
-        raise OSError(12, "Cannot allocate memory")
+def test_no_file_descriptor_left_means_a_clone_and_nothing_left_behind() -> None:
+    import resource
 
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     fds, before = len(os.listdir("/proc/self/fd")), copies_mapped()
-    monkeypatch.setattr(mmap, "mmap", no_mapping)
-    assert _lease.copy_out(torch.ones(70_000)) is None  # (copy_leaf then clones)
+    lowest_free = os.dup(0)
+    os.close(lowest_free)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))  # (memfd_create: EMFILE)
+    try:
+        copied = _lease.copy_out(torch.ones(70_000))
+        held = _lease.copy_leaf(torch.ones(70_000), int(Kind.TENSOR))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert copied is None and torch.equal(held, torch.ones(70_000))  # (copy_leaf cloned it)
     assert len(os.listdir("/proc/self/fd")) == fds and copies_mapped() == before
+
+
+@pytest.mark.parametrize("address, nbytes", [(0, 16), (4096, 0), (4096, -1)])
+def test_copy_pages_refuses_a_null_address_or_no_bytes(address: int, nbytes: int) -> None:
+    with pytest.raises(ValueError, match="non-null address and a positive size"):
+        _native.copy_pages(address, nbytes)
