@@ -11,6 +11,9 @@ USAGE = """usage: shmloader info                 versions, whether the fast path
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv in (["info", "--help"], ["info", "-h"]):
+        print(USAGE)
+        return 0
     if argv == ["info"]:
         from shmloader._info import main as info
 

@@ -11,38 +11,19 @@ with ``torch.stack`` (about 8 times the CPU for a batch of small samples), and t
 
 from __future__ import annotations
 
-import json
 import os
-import shlex
 import sys
 import warnings
-from importlib import metadata
 from types import FrameType
 from typing import Any, Callable
 
 import torch
 
 from shmloader import _native
+from shmloader._reinstall import PACKAGE_DIR, reinstall_command
 
 OFF_VARIABLE = "SHMLOADER_NO_FAST_PATH"
-PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 TORCH_LIB = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")  # (torch's C shim)
-
-
-def reinstall_command() -> str:
-    """The command that reinstalls this shmloader, as it was installed, and nothing else."""
-    try:
-        dist = metadata.distribution("shmloader")
-        direct = json.loads(dist.read_text("direct_url.json") or "null")
-    except (metadata.PackageNotFoundError, ValueError):
-        dist, direct = None, None
-    if dist is None or (direct is None and not os.path.isdir(os.path.join(PACKAGE_DIR, os.pardir, "native"))):
-        return "pip install --no-deps --force-reinstall shmloader"  # (from an index)
-    url = str((direct or {}).get("url", ""))
-    where = url.removeprefix("file://") if url.startswith("file://") else os.path.dirname(PACKAGE_DIR)
-    editable = bool((direct or {}).get("dir_info", {}).get("editable")) or direct is None
-    python = shlex.quote(sys.executable)
-    return f"{python} -m pip install --no-deps --force-reinstall {'-e ' if editable else ''}{shlex.quote(where)}"
 
 
 Off = tuple[str, str]  # why the fast path is off, and the command that turns it on

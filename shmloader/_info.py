@@ -23,7 +23,7 @@ def version_of(name: str, missing: str = "not installed") -> str:
 def native_line(native: ModuleType | None, error: str = "") -> str:
     """The ring's native part: shmloader._native (required: without it shmloader does not import)."""
     if native is None:
-        from shmloader._accel import reinstall_command
+        from shmloader._reinstall import reinstall_command
 
         return f"fast path: off (shmloader._native did not load: {error}, {reinstall_command()})"
     return f"fast path: on (shmloader._native: the ring's slots, semaphores and per-batch steps, {native.__file__})"

@@ -78,8 +78,10 @@ def _agree(what: str, python: object, native: object) -> None:
     """The layout as Python writes it and as the extension reads it must agree (checked at
     import, also under ``python -O``): a stale build of native/ would read other fields."""
     if python != native:
+        from shmloader._reinstall import reinstall_command
+
         raise ImportError(f"shmloader._native was built for another slot layout ({what}: {native!r} in C, "
-                          f"{python!r} here); rebuild it (pip install -e . / make test)")
+                          f"{python!r} here); rebuild it: {reinstall_command()}")
 
 
 class Counter:

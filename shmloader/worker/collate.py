@@ -289,7 +289,7 @@ class SlotWriter:
         """The default collate's steady state, in one step: when the last batch written at this
         slot was ``samples``-like plain tensors stacked by ``_stack_into_slot`` (same count,
         sample shape and dtype), stack these into the same view (one memcpy per plain sample with
-        the C++ extension, else ``torch.stack``) and write the same skeleton and leaf table; the
+        ``_native.stack_into``, else ``torch.stack``) and write the same skeleton and leaf table; the
         writer is then as ``finish`` leaves it. Returns the batch, or None when
         the samples are not like that (nothing was written: collate them the general way)."""
         plan = self._stacks.get(self.data_off)

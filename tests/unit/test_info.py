@@ -16,6 +16,7 @@ import torch
 
 import shmloader
 from shmloader import _accel, _info, _native
+from shmloader._reinstall import reinstall_command
 from shmloader.worker import collate as _collate
 
 
@@ -66,7 +67,7 @@ def test_an_unknown_torch_says_why_and_the_command_that_upgrades_shmloader_alone
 def test_a_missing_native_part_says_the_command_that_rebuilds_it() -> None:
     line = _info.native_line(None, "No module named 'shmloader._native'")
     assert line == (f"fast path: off (shmloader._native did not load: No module named 'shmloader._native', "
-                    f"{_accel.reinstall_command()})")
+                    f"{reinstall_command()})")
     assert "--no-deps --force-reinstall" in line
 
 
@@ -110,3 +111,31 @@ def test_without_the_fast_path_batches_are_torch_s_and_it_warns_once_at_the_user
     for loader in (first, second):
         got = [b.clone() for b in loader]
         assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+class Dist:
+    def __init__(self, direct: str | None) -> None:
+        self.direct = direct
+
+    def read_text(self, name: str) -> str | None:
+        return self.direct if name == "direct_url.json" else None
+
+
+@pytest.mark.parametrize("direct, want", [
+    ('{"url": "file:///wheels/shmloader-0.1.0-cp311-cp311-manylinux_2_34_x86_64.whl", "archive_info": {}}',
+     "/wheels/shmloader-0.1.0-cp311-cp311-manylinux_2_34_x86_64.whl"),
+    ('{"url": "file:///home/me/my%20clone", "dir_info": {}}', "'/home/me/my clone'"),
+    (None, "shmloader"),
+], ids=["a wheel file", "a directory", "the package index"])
+def test_the_reinstall_command_reinstalls_shmloader_alone_as_it_was_installed(
+        direct: str | None, want: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shmloader import _reinstall
+
+    monkeypatch.setattr(_reinstall, "PACKAGE_DIR", str(tmp_path / "site-packages" / "shmloader"))
+    monkeypatch.setattr(_reinstall.metadata, "distribution", lambda name: Dist(direct))
+    assert _reinstall.reinstall_command() == f"{sys.executable} -m pip install --no-deps --force-reinstall {want}"
+
+
+def test_from_a_source_tree_the_command_rebuilds_the_tree() -> None:
+    tree = _info.os.path.dirname(_accel.PACKAGE_DIR)
+    assert reinstall_command() == f"{sys.executable} -m pip install --no-deps --force-reinstall -e {tree}"
