@@ -105,6 +105,19 @@ def test_plain_samples_however_made_are_stacked(name: str, samples: list[torch.T
     assert torch.equal(out, torch.stack(samples))
 
 
+def test_a_batch_of_a_mebibyte_or_more_is_stacked_as_torch_stacks_it_and_its_samples_let_go() -> None:
+    import sys
+
+    samples = [torch.full((256, 256), float(i)) for i in range(5)]  # 1.25 MiB: copied without the GIL
+    storages = [s.untyped_storage() for s in samples]
+    counts = [sys.getrefcount(s) for s in samples]
+    out = torch.empty(5, 256, 256)
+    assert stack_into(samples, out) is True
+    assert torch.equal(out, torch.stack(samples))
+    assert [sys.getrefcount(s) for s in samples] == counts  # (each storage held for the copy, then let go)
+    assert all(s.data_ptr() == t.data_ptr() for s, t in zip(storages, samples))
+
+
 class Sub(torch.Tensor):
     pass
 
