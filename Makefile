@@ -14,7 +14,7 @@ DIST ?= dist
 
 .PHONY: test check bench soak peer typecheck wheel clean
 
-$(VENV)/.installed: pyproject.toml setup.py $(wildcard native/*.c native/*.cpp)
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard native/*.c native/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"

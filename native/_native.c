@@ -365,7 +365,7 @@ PyDoc_STRVAR(lend_lone_doc,
 "read_batch's common case and Leases.lend in one call, for a slot just taken: a batch that is\n"
 "one tensor in the slot's own data region. `lone` = (ring, header offsets, data offsets, data\n"
 "bytes, LONE_LEAF, Field.REGION, Region.SLOT, Kind.TENSOR, NP_DTYPES, _NUMPY_MAX_NDIM,\n"
-"np.ndarray, a tensor maker (torch.from_numpy, or _tensors.from_array), most slots lent). If\n"
+"np.ndarray, a tensor maker (torch.from_numpy), most slots lent). If\n"
 "fewer than that many slots are in `bases` and the slot's header and leaf table check and say\n"
 "so, the batch is the tensor maker's tensor of a fresh array `base` over its bytes;\n"
 "bases[slot] = base; returns (batch, nbytes). Returns None,\n"

@@ -48,13 +48,16 @@ static PyTypeObject PagesType = {
     .tp_doc = "A memory file's pages, mapped: a writable buffer, unmapped with its last view.",
 };
 
-static unsigned memfd_flags = MFD_CLOEXEC | MFD_NOEXEC_SEAL;
+static int no_seal; /* set once a kernel refused MFD_NOEXEC_SEAL (atomic: threads copy without the GIL) */
 
 /* The copy's mapping, or NULL with errno set. */
 static void *copy_to_memfd(const char *from, size_t nbytes, size_t mapped) {
-    int fd = memfd_create("shmloader-copy", memfd_flags);
-    if (fd < 0 && errno == EINVAL && memfd_flags != MFD_CLOEXEC) /* (an older kernel) */
-        fd = memfd_create("shmloader-copy", memfd_flags = MFD_CLOEXEC);
+    int fd = -1;
+    if (!__atomic_load_n(&no_seal, __ATOMIC_RELAXED)) {
+        fd = memfd_create("shmloader-copy", MFD_CLOEXEC | MFD_NOEXEC_SEAL);
+        if (fd < 0 && errno == EINVAL) __atomic_store_n(&no_seal, 1, __ATOMIC_RELAXED); /* (an older kernel) */
+    }
+    if (fd < 0 && __atomic_load_n(&no_seal, __ATOMIC_RELAXED)) fd = memfd_create("shmloader-copy", MFD_CLOEXEC);
     if (fd < 0) return NULL;
     int ok = 1; /* (pwrite sizes the file: the mapping's last page is its last, partly past the end) */
     for (size_t done = 0; ok && done < nbytes;) {

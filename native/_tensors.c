@@ -17,9 +17,11 @@
  *     autograd has something to keep (TensorImpl::requires_grad() is false while it is), found
  *     as the first word null in fresh probes and set in probes that need grad; where it is set,
  *     torch's own requires_grad getter says (a view, say, has metadata and needs no grad).
- * Each offset is checked against torch's answers for every probe before anything uses it; a
- * torch whose tensors do not match leaves stack_into unlearned and shmloader uses torch.stack
- * (learn_tensors says why).
+ * Each offset is checked against torch's answers for every probe before anything uses it, and
+ * the shim through them against each CPU probe's data pointer, sizes and strides; a torch whose
+ * tensors do not match leaves stack_into unlearned and shmloader uses torch.stack
+ * (learn_tensors says why). One difference from stack(out=) is left: out's version counter is
+ * not bumped (out is a worker's view of its slot, in no autograd graph).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -34,7 +36,10 @@ typedef int32_t (*dim_fn)(TensorHandle, int64_t *);
 typedef int32_t (*ints_fn)(TensorHandle, int64_t **);
 typedef int32_t (*ptr_fn)(TensorHandle, void **);
 
-#define KEYS_SCAN 1024 /* bytes of a TensorImpl searched for its key set (stops at the first match) */
+/* Bytes of a TensorImpl searched for its key set, from the start (stopping at the first match):
+   torch 2.13's is at 168, its last field. Where it is not found (a torch whose layout differs),
+   the scan reads up to this bound from the object's start, past its end: heap memory, mapped. */
+#define KEYS_SCAN 320
 #define RELEASE_GIL_FROM (1 << 20) /* bytes: a smaller batch is copied holding the GIL */
 #define MAX_DIM 64
 #define N_DTYPES 64 /* torch's ScalarType codes are below this */
@@ -45,16 +50,21 @@ static struct {
     Py_ssize_t impl_at;             /* the at::Tensor's offset in the Python object */
     Py_ssize_t keys_at;             /* the key set's offset in the TensorImpl */
     Py_ssize_t autograd_at;         /* the autograd metadata pointer's offset in the TensorImpl */
-    uint64_t plain_keys[2];         /* a plain CPU tensor's key set, and one made in inference mode */
+    uint64_t plain_keys[2];         /* a plain CPU tensor's key set, and one made in inference mode
+                                       (a sample may have either; out only the first, as stack(out=)
+                                       refuses an inference tensor outside inference mode) */
     getter requires_grad;           /* Tensor.requires_grad's C getter, and its closure */
     void *requires_grad_closure;
     PyObject *function_mode;        /* torch._C._is_torch_function_mode_enabled */
     PyObject *dispatch_modes;       /* torch._C._len_torch_dispatch_stack */
-    PyObject *storage_name;         /* "untyped_storage": kept while the GIL is released */
+    PyObject *untyped_storage;      /* Tensor.untyped_storage (the type's, not an instance's): a
+                                       storage kept while the GIL is released */
     dtype_fn get_dtype;
     dim_fn get_dim;
     ints_fn get_sizes, get_strides;
-    ptr_fn get_data_ptr;
+    ptr_fn get_data_ptr;            /* the mutable pointer: out's */
+    ptr_fn get_const_data_ptr;      /* a sample's (a copy-on-write sample stays shared; torch >= 2.10,
+                                       else get_data_ptr) */
     uint8_t itemsize[N_DTYPES];     /* by dtype code; 0: a dtype learn_tensors was not shown */
 } T;
 
@@ -70,12 +80,12 @@ typedef struct {
     char *data;
 } Plain;
 
-static int plain(PyObject *t, Plain *p) {
+static int plain(PyObject *t, Plain *p, int is_out) {
     if (Py_TYPE(t) != T.tensor_type) return 0; /* subclasses: their __torch_function__ */
     char *impl = impl_of(t);
     uint64_t keys = *(uint64_t *)(impl + T.keys_at);
-    if (keys != T.plain_keys[0] && keys != T.plain_keys[1]) return 0;
-    if (*(void **)(impl + T.autograd_at) != NULL) {
+    if (keys != T.plain_keys[0] && (is_out || keys != T.plain_keys[1])) return 0;
+    if (*(void **)(impl + T.autograd_at) != NULL) { /* (runs no Python code: an exact tensor, no mode) */
         PyObject *grad = T.requires_grad(t, T.requires_grad_closure);
         if (grad == NULL) return -1;
         Py_DECREF(grad);
@@ -85,7 +95,7 @@ static int plain(PyObject *t, Plain *p) {
     int64_t *strides;
     void *data;
     if (T.get_dtype(h, &p->dtype) || T.get_dim(h, &p->dim) || T.get_sizes(h, &p->sizes) ||
-        T.get_strides(h, &strides) || T.get_data_ptr(h, &data))
+        T.get_strides(h, &strides) || (is_out ? T.get_data_ptr : T.get_const_data_ptr)(h, &data))
         return 0;
     int64_t expected = 1; /* contiguous as torch means it: size-1 dimensions' strides do not count */
     for (int64_t d = p->dim - 1; d >= 0; d--) {
@@ -120,7 +130,32 @@ PyDoc_STRVAR(stack_into_doc,
 "contiguous CPU tensors of out's dtype and sample shape (exact torch.Tensor, no grad,\n"
 "conjugate or negative bit, not inside out; no torch function or dispatch mode active).\n"
 "Returns True when it stacked them; False, having written nothing, for anything else, or\n"
-"before learn_tensors (torch.stack then does it, or raises its own error).");
+"before learn_tensors (torch.stack then does it, or raises its own error). Unlike\n"
+"stack(out=), it leaves out's version counter as it was.");
+
+/* out's dtype, shape and bytes, when stack_into may copy into it (0: it may not; -1: an error). */
+static int out_of(PyObject *out, Py_ssize_t n, Plain *o, size_t *each) {
+    int ok = plain(out, o, 1);
+    if (ok <= 0 || n == 0 || o->dim < 1 || o->dim > MAX_DIM || o->sizes[0] != n || o->dtype < 0 ||
+        o->dtype >= N_DTYPES || T.itemsize[o->dtype] == 0)
+        return ok < 0 ? -1 : 0;
+    *each = T.itemsize[o->dtype];
+    for (int64_t d = 1; d < o->dim; d++) *each *= (size_t)o->sizes[d];
+    return 1;
+}
+
+/* Storages kept for a copy without the GIL: one per sample, and out's last. Taking them runs
+   Python code (an allocation can start a collection): the caller checks everything after. */
+static PyObject *storages_of(PyObject *items, PyObject *out) {
+    Py_ssize_t n = PyTuple_GET_SIZE(items);
+    PyObject *kept = PyTuple_New(n + 1);
+    for (Py_ssize_t i = 0; kept != NULL && i <= n; i++) {
+        PyObject *storage = PyObject_CallOneArg(T.untyped_storage, i < n ? PyTuple_GET_ITEM(items, i) : out);
+        if (storage == NULL) Py_CLEAR(kept);
+        else PyTuple_SET_ITEM(kept, i, storage);
+    }
+    return kept;
+}
 
 static PyObject *stack_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 || (T.learned && !PyObject_TypeCheck(args[1], T.tensor_type))) {
@@ -129,58 +164,66 @@ static PyObject *stack_into(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     PyObject *samples = args[0], *out = args[1];
     if (!T.learned || (!PyList_CheckExact(samples) && !PyTuple_CheckExact(samples))) Py_RETURN_FALSE;
-    int modes = modes_active();
-    if (modes != 0) return modes < 0 ? NULL : Py_NewRef(Py_False);
+    int ok = modes_active();
+    if (ok != 0) return ok < 0 ? NULL : Py_NewRef(Py_False);
     Plain o;
-    int ok = plain(out, &o);
+    size_t each;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(samples);
-    if (ok <= 0 || n == 0 || o.dim < 1 || o.dim > MAX_DIM || o.sizes[0] != n || o.dtype < 0 || o.dtype >= N_DTYPES ||
-        T.itemsize[o.dtype] == 0)
-        return ok < 0 ? NULL : Py_NewRef(Py_False);
-    size_t each = T.itemsize[o.dtype];
-    for (int64_t d = 1; d < o.dim; d++) each *= (size_t)o.sizes[d];
+    if ((ok = out_of(out, n, &o, &each)) <= 0) return ok < 0 ? NULL : Py_NewRef(Py_False);
     size_t total = each * (size_t)n;
-    int keep = each != 0 && total >= RELEASE_GIL_FROM;
-    /* Every sample checked before any byte is written: on False the slot is as it was. A large
-       batch is copied without the GIL, so that a thread of the dataset's own is not stalled by
-       it: each sample's storage is then kept (another thread's set_ cannot free it). */
+    /* A large batch is copied without the GIL, so that a thread of the dataset's own is not
+       stalled by it: the samples (a tuple of them) and every storage are then kept, so that
+       no other thread's set_ or resize_ frees what is read or written. Taking them may run
+       Python code, so out is checked again after. Below, until the copy, no Python code runs
+       (requires_grad's getter of an exact tensor with no mode active runs none). */
+    int release = each != 0 && total >= RELEASE_GIL_FROM;
+    PyObject *items = release ? PySequence_Tuple(samples) : Py_NewRef(samples);
+    PyObject *kept = release && items != NULL ? storages_of(items, out) : NULL;
+    if (items == NULL || (release && kept == NULL)) goto fail;
+    if (release) {
+        n = PyTuple_GET_SIZE(items);
+        size_t again;
+        if ((ok = out_of(out, n, &o, &again)) <= 0 || again != each) goto refuse_or_fail;
+    }
+    /* Every sample checked before any byte is written: on False the slot is as it was. */
     const char **from = PyMem_Malloc(sizeof(char *) * (size_t)n);
-    PyObject **kept = keep ? PyMem_Calloc((size_t)n, sizeof(PyObject *)) : NULL;
-    PyObject *result = NULL;
-    if (from == NULL || (keep && kept == NULL)) {
+    if (from == NULL) {
         PyErr_NoMemory();
-        goto done;
+        goto fail;
     }
-    result = Py_False;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(samples, i);
         Plain s;
-        ok = plain(item, &s);
-        if (ok < 0) result = NULL;
-        if (ok <= 0 || s.dtype != o.dtype || s.dim + 1 != o.dim) goto done;
-        for (int64_t d = 0; d < s.dim; d++)
-            if (s.sizes[d] != o.sizes[d + 1]) goto done;
-        if (each && overlaps(s.data, each, o.data, total)) goto done; /* torch.stack raises for it */
-        from[i] = s.data;
-        if (keep && (kept[i] = PyObject_CallMethodNoArgs(item, T.storage_name)) == NULL) {
-            result = NULL;
-            goto done;
+        ok = plain(PySequence_Fast_GET_ITEM(items, i), &s, 0);
+        int same = ok > 0 && s.dtype == o.dtype && s.dim + 1 == o.dim;
+        for (int64_t d = 0; same && d < s.dim; d++) same = s.sizes[d] == o.sizes[d + 1];
+        if (!same || (each && overlaps(s.data, each, o.data, total))) { /* (torch.stack raises for an overlap) */
+            PyMem_Free(from);
+            ok = ok < 0 ? -1 : 0;
+            goto refuse_or_fail;
         }
+        from[i] = s.data;
     }
-    if (keep) {
+    if (release) {
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < n; i++) memcpy(o.data + (size_t)i * each, from[i], each);
         Py_END_ALLOW_THREADS
     } else if (each) {
         for (Py_ssize_t i = 0; i < n; i++) memcpy(o.data + (size_t)i * each, from[i], each);
     }
-    result = Py_True;
-done:
-    if (kept != NULL)
-        for (Py_ssize_t i = 0; i < n; i++) Py_XDECREF(kept[i]);
-    PyMem_Free(kept);
     PyMem_Free(from);
-    return Py_XNewRef(result);
+    Py_XDECREF(kept);
+    Py_DECREF(items);
+    Py_RETURN_TRUE;
+refuse_or_fail:
+    if (ok == 0) {
+        Py_XDECREF(kept);
+        Py_DECREF(items);
+        Py_RETURN_FALSE;
+    }
+fail:
+    Py_XDECREF(kept);
+    Py_XDECREF(items);
+    return NULL;
 }
 
 /* learn_tensors ------------------------------------------------------------------------- */
@@ -211,16 +254,18 @@ static Py_ssize_t find_word(char *const *base, const uint64_t *want, Py_ssize_t 
 }
 
 PyDoc_STRVAR(learn_tensors_doc,
-"learn_tensors($module, lib, tensor_type, requires_grad, modes, dtypes, probes, fresh, graded, /)\n"
+"learn_tensors($module, lib, tensor_type, requires_grad, untyped_storage, modes, dtypes, probes,\n"
+"              fresh, graded, /)\n"
 "--\n\n"
 "Learn where torch keeps what stack_into reads, and check it (native/_tensors.c says how).\n"
-"`lib`: the path of the loaded libtorch_cpu; `tensor_type`: torch.Tensor; `requires_grad`: its\n"
-"descriptor; `modes`: torch._C._is_torch_function_mode_enabled and _len_torch_dispatch_stack;\n"
-"`dtypes`: (empty tensor, item size) for each dtype stack_into may copy; `probes`: (tensor,\n"
-"its _cdata, its dispatch keys' raw_repr(), its data_ptr()), a plain CPU tensor first, one made\n"
-"in inference mode second, then tensors of other key sets; `fresh`: new tensors, no autograd\n"
-"metadata; `graded`: tensors that need grad. None once learned; otherwise why not (a\n"
-"string), and stack_into stays unlearned.");
+"`lib`: the path of the loaded libtorch_cpu (found by its name first); `tensor_type`:\n"
+"torch.Tensor; `requires_grad`, `untyped_storage`: its descriptors; `modes`:\n"
+"torch._C._is_torch_function_mode_enabled and _len_torch_dispatch_stack; `dtypes`: (empty\n"
+"tensor, item size) for each dtype stack_into may copy; `probes`: (tensor, its _cdata, its\n"
+"dispatch keys' raw_repr(), its data_ptr(), its shape, its stride()), a plain CPU tensor\n"
+"first, one made in inference mode second, then tensors of other key sets; `fresh`: new\n"
+"tensors, no autograd metadata; `graded`: tensors that need grad. None once learned;\n"
+"otherwise why not (a string), and stack_into stays unlearned.");
 
 /* The objects' TensorImpls, in impl[] (at most 16 tensors of tensor_type); -1 with a TypeError. */
 static Py_ssize_t impls_of(PyObject *list, PyTypeObject *type, char **impl) {
@@ -238,39 +283,63 @@ static Py_ssize_t impls_of(PyObject *list, PyTypeObject *type, char **impl) {
     return PyList_GET_SIZE(list);
 }
 
+/* Whether the shim, through the handle learned, says of `t` what torch says: its data pointer,
+   shape and strides (tuples of ints). */
+static int shim_agrees(PyObject *t, uint64_t data, PyObject *shape, PyObject *stride) {
+    TensorHandle h = handle_of(t);
+    void *ptr;
+    int64_t dim, *sizes, *strides;
+    if (T.get_data_ptr(h, &ptr) || (uint64_t)(uintptr_t)ptr != data || T.get_const_data_ptr(h, &ptr) ||
+        (uint64_t)(uintptr_t)ptr != data || T.get_dim(h, &dim) || T.get_sizes(h, &sizes) ||
+        T.get_strides(h, &strides) || !PyTuple_Check(shape) || !PyTuple_Check(stride) ||
+        PyTuple_GET_SIZE(shape) != dim || PyTuple_GET_SIZE(stride) != dim)
+        return 0;
+    for (int64_t d = 0; d < dim; d++)
+        if (PyLong_AsLongLong(PyTuple_GET_ITEM(shape, d)) != sizes[d] ||
+            PyLong_AsLongLong(PyTuple_GET_ITEM(stride, d)) != strides[d])
+            return 0;
+    return !PyErr_Occurred();
+}
+
 static PyObject *learn_tensors(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     const char *path;
-    if (nargs != 8 || !(path = PyUnicode_AsUTF8(args[0])) || !PyType_Check(args[1]) || !PyTuple_Check(args[3]) ||
-        PyTuple_GET_SIZE(args[3]) != 2 || !PyList_Check(args[4]) || !PyList_Check(args[5]) ||
-        PyList_GET_SIZE(args[5]) < 4 || PyList_GET_SIZE(args[5]) > 16) {
+    if (nargs != 9 || !(path = PyUnicode_AsUTF8(args[0])) || !PyType_Check(args[1]) || !PyTuple_Check(args[4]) ||
+        PyTuple_GET_SIZE(args[4]) != 2 || !PyList_Check(args[5]) || !PyList_Check(args[6]) ||
+        PyList_GET_SIZE(args[6]) < 4 || PyList_GET_SIZE(args[6]) > 16) {
         if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_TypeError, "learn_tensors takes a path, a type, a descriptor, two callables, "
-                                             "a list of dtypes and a list of 4 to 16 probes");
+            PyErr_SetString(PyExc_TypeError, "learn_tensors takes a path, a type, two descriptors, two callables, "
+                                             "a list of dtypes, a list of 4 to 16 probes and two lists of tensors");
         return NULL;
     }
     T.learned = 0;
     PyTypeObject *type = (PyTypeObject *)args[1];
-    PyObject *descr = args[2], *probes = args[5], *why = NULL;
+    PyObject *descr = args[2], *probes = args[6], *why = NULL;
     if (!Py_IS_TYPE(descr, &PyGetSetDescr_Type) || ((PyGetSetDescrObject *)descr)->d_getset->get == NULL)
         return refuse("Tensor.requires_grad is not a C getter");
-    void *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+    if (!PyCallable_Check(args[3])) return refuse("Tensor.untyped_storage is not callable");
+    /* By its name first: the loaded library wherever it lies (torch's lib directory, or a
+       distribution's); then by the path torch's package implies. */
+    void *lib = dlopen("libtorch_cpu.so", RTLD_NOW | RTLD_NOLOAD);
+    if (lib == NULL) lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
     if (lib == NULL) return refuse("%s is not loaded", path);
     T.get_dtype = (dtype_fn)shim(lib, "aoti_torch_get_dtype", &why);
     T.get_dim = (dim_fn)shim(lib, "aoti_torch_get_dim", &why);
     T.get_sizes = (ints_fn)shim(lib, "aoti_torch_get_sizes", &why);
     T.get_strides = (ints_fn)shim(lib, "aoti_torch_get_strides", &why);
     T.get_data_ptr = (ptr_fn)shim(lib, "aoti_torch_get_data_ptr", &why);
+    T.get_const_data_ptr = (ptr_fn)dlsym(lib, "torch_get_const_data_ptr");
+    if (T.get_const_data_ptr == NULL) T.get_const_data_ptr = T.get_data_ptr;
     dlclose(lib); /* (RTLD_NOLOAD took a reference: torch keeps it loaded) */
     if (why != NULL) return why;
 
     Py_ssize_t n = PyList_GET_SIZE(probes);
-    PyObject *tensor[16];
+    PyObject *tensor[16], *shape[16], *stride[16];
     char *object[16], *impl[16];
     uint64_t cdata[16], keys[16], data[16];
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *p = PyList_GET_ITEM(probes, i);
-        if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) != 4 || !Py_IS_TYPE(PyTuple_GET_ITEM(p, 0), type)) {
-            PyErr_SetString(PyExc_TypeError, "a probe is (tensor, _cdata, raw keys, data_ptr)");
+        if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) != 6 || !Py_IS_TYPE(PyTuple_GET_ITEM(p, 0), type)) {
+            PyErr_SetString(PyExc_TypeError, "a probe is (tensor, _cdata, raw keys, data_ptr, shape, stride)");
             return NULL;
         }
         tensor[i] = PyTuple_GET_ITEM(p, 0);
@@ -278,6 +347,8 @@ static PyObject *learn_tensors(PyObject *self, PyObject *const *args, Py_ssize_t
         cdata[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(p, 1));
         keys[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(p, 2));
         data[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(p, 3));
+        shape[i] = PyTuple_GET_ITEM(p, 4);
+        stride[i] = PyTuple_GET_ITEM(p, 5);
         if (PyErr_Occurred()) return NULL;
     }
     Py_ssize_t impl_at = find_word(object, cdata, n, sizeof(PyObject), type->tp_basicsize);
@@ -289,7 +360,7 @@ static PyObject *learn_tensors(PyObject *self, PyObject *const *args, Py_ssize_t
     T.impl_at = impl_at;
     T.keys_at = keys_at;
     char *fresh[16], *graded[16];
-    Py_ssize_t n_fresh = impls_of(args[6], type, fresh), n_graded = impls_of(args[7], type, graded);
+    Py_ssize_t n_fresh = impls_of(args[7], type, fresh), n_graded = impls_of(args[8], type, graded);
     if (n_fresh < 0 || n_graded < 0) return NULL;
     Py_ssize_t autograd_at = -1;
     for (Py_ssize_t at = 0; autograd_at < 0 && at < keys_at; at += sizeof(void *)) {
@@ -300,16 +371,14 @@ static PyObject *learn_tensors(PyObject *self, PyObject *const *args, Py_ssize_t
     }
     if (autograd_at < 0) return refuse("no word of a TensorImpl is null without autograd metadata and set with it");
     T.autograd_at = autograd_at;
-    /* The shim, through the handle found, must say what torch says of each probe. */
-    for (Py_ssize_t i = 0; i < 2; i++) {
-        void *ptr;
-        if (T.get_data_ptr(handle_of(tensor[i]), &ptr) || (uint64_t)(uintptr_t)ptr != data[i])
-            return refuse("torch's C shim does not give a probe's data pointer");
-    }
+    /* The shim, through the handle found, must say what torch says of the CPU probes. */
+    for (Py_ssize_t i = 0; i < 2; i++)
+        if (!shim_agrees(tensor[i], data[i], shape[i], stride[i]))
+            return PyErr_Occurred() ? NULL : refuse("torch's C shim does not say what torch says of a probe");
     memset(T.itemsize, 0, sizeof T.itemsize);
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(args[4]); i++) {
-        PyObject *d = PyList_GET_ITEM(args[4], i);
-        int32_t code;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(args[5]); i++) {
+        PyObject *d = PyList_GET_ITEM(args[5], i);
+        int32_t code = -1;
         long size;
         if (!PyTuple_Check(d) || PyTuple_GET_SIZE(d) != 2 || !Py_IS_TYPE(PyTuple_GET_ITEM(d, 0), type)) {
             PyErr_SetString(PyExc_TypeError, "a dtype is (empty tensor, item size)");
@@ -317,7 +386,7 @@ static PyObject *learn_tensors(PyObject *self, PyObject *const *args, Py_ssize_t
         }
         if ((size = PyLong_AsLong(PyTuple_GET_ITEM(d, 1))) == -1 && PyErr_Occurred()) return NULL;
         if (T.get_dtype(handle_of(PyTuple_GET_ITEM(d, 0)), &code) || code < 0 || code >= N_DTYPES || size < 1 ||
-            size > 16)
+            size > 16 || T.itemsize[code] != 0) /* (two dtypes of one code: the table is not torch's) */
             return refuse("torch's C shim gives dtype code %d", (int)code);
         T.itemsize[code] = (uint8_t)size;
     }
@@ -326,15 +395,27 @@ static PyObject *learn_tensors(PyObject *self, PyObject *const *args, Py_ssize_t
     T.requires_grad = ((PyGetSetDescrObject *)descr)->d_getset->get;
     T.requires_grad_closure = ((PyGetSetDescrObject *)descr)->d_getset->closure;
     Py_XSETREF(T.tensor_type, (PyTypeObject *)Py_NewRef(type));
-    Py_XSETREF(T.function_mode, Py_NewRef(PyTuple_GET_ITEM(args[3], 0)));
-    Py_XSETREF(T.dispatch_modes, Py_NewRef(PyTuple_GET_ITEM(args[3], 1)));
-    if (T.storage_name == NULL && (T.storage_name = PyUnicode_InternFromString("untyped_storage")) == NULL) return NULL;
+    Py_XSETREF(T.untyped_storage, Py_NewRef(args[3]));
+    Py_XSETREF(T.function_mode, Py_NewRef(PyTuple_GET_ITEM(args[4], 0)));
+    Py_XSETREF(T.dispatch_modes, Py_NewRef(PyTuple_GET_ITEM(args[4], 1)));
     T.learned = 1;
     Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(tensor_offsets_doc,
+"tensor_offsets($module, /)\n"
+"--\n\n"
+"What learn_tensors found: (the TensorImpl pointer's offset in a tensor object, the key set's\n"
+"and the autograd metadata's in a TensorImpl), or None before it has.");
+
+static PyObject *tensor_offsets(PyObject *self, PyObject *unused) {
+    if (!T.learned) Py_RETURN_NONE;
+    return Py_BuildValue("(nnn)", T.impl_at, T.keys_at, T.autograd_at);
 }
 
 PyMethodDef shmloader_tensors_methods[] = {
     {"stack_into", (PyCFunction)(void (*)(void))stack_into, METH_FASTCALL, stack_into_doc},
     {"learn_tensors", (PyCFunction)(void (*)(void))learn_tensors, METH_FASTCALL, learn_tensors_doc},
+    {"tensor_offsets", tensor_offsets, METH_NOARGS, tensor_offsets_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -11,16 +11,17 @@ with ``torch.stack`` (about 8 times the CPU for a batch of small samples), and t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
 from types import FrameType
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from shmloader import _native
-from shmloader._reinstall import PACKAGE_DIR, reinstall_command
+from shmloader._reinstall import PACKAGE_DIR, reinstall_command, upgrade_command
 
 OFF_VARIABLE = "SHMLOADER_NO_FAST_PATH"
 TORCH_LIB = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")  # (torch's C shim)
@@ -35,33 +36,54 @@ def learn() -> tuple[Callable[[Any, torch.Tensor], bool] | None, Off | None]:
         return None, (f"{OFF_VARIABLE} is set in the environment", f"unset {OFF_VARIABLE}")
     if not hasattr(_native, "learn_tensors"):
         return None, ("shmloader._native predates stack_into (a stale build)", reinstall_command())
-    from shmloader.wire.layout import CODE_OF_DTYPE  # (the dtypes a slot holds)
-
     why: str | None
     try:  # (torch's own answers, which learn_tensors checks what it finds against)
-        plain = torch.arange(6.0).view(2, 3)
-        with torch.inference_mode():
-            inferred = torch.zeros(3)
-        others = [torch.zeros(3, dtype=torch.complex64).conj(), torch._neg_view(torch.zeros(3)),
-                  torch.empty(3, device="meta"), torch._efficientzerotensor(3)]
-        probes = [(t, t._cdata, torch._C._dispatch_keys(t).raw_repr(), t.data_ptr() if t.device.type == "cpu" else 0)
-                  for t in (plain, inferred, *others)]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # ("ComplexHalf support is experimental")
-            dtypes = [(torch.empty(0, dtype=dtype), dtype.itemsize) for dtype in CODE_OF_DTYPE]
-        modes = (torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack)
-        requires_grad = torch._C.TensorBase.__dict__["requires_grad"]
-        fresh = [torch.zeros(3), torch.ones(2, 2, dtype=torch.int64), torch.empty(0)]
-        leaf = torch.zeros(3, requires_grad=True)
-        graded = [leaf, leaf * 2, leaf[1:], torch.ones(2).requires_grad_()]
-    except (AttributeError, KeyError, RuntimeError, TypeError) as error:
+        with _as_torch_starts():
+            arguments = _probes()
+        why = _native.learn_tensors(TORCH_LIB, torch.Tensor, *arguments)
+    except (AttributeError, ImportError, KeyError, RuntimeError, TypeError, ValueError) as error:
         why = f"{type(error).__name__}: {error}"
-    else:
-        why = _native.learn_tensors(TORCH_LIB, torch.Tensor, requires_grad, modes, dtypes, probes, fresh, graded)
     if why is not None:  # (a newer shmloader may know them)
         return None, (f"torch {torch.__version__}'s tensors are not recognised: {why}",
-                      reinstall_command().replace("--force-reinstall", "--upgrade"))
+                      upgrade_command())
     return _native.stack_into, None
+
+
+@contextlib.contextmanager
+def _as_torch_starts() -> Iterator[None]:
+    """Grad on, inference mode off, no torch function or dispatch mode: the probes are then
+    what they are meant to be whatever the caller (a first loader made under no_grad, say) set."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    popped = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
+    try:
+        with torch.enable_grad(), torch.inference_mode(False), _disable_current_modes():
+            yield
+    finally:
+        for mode in reversed(popped):
+            torch._C._push_on_torch_function_stack(mode)
+
+
+def _probes() -> tuple[Any, ...]:
+    """learn_tensors's arguments after the library's path and the tensor type."""
+    from shmloader.wire.layout import CODE_OF_DTYPE  # (the dtypes a slot holds)
+
+    plain = torch.arange(6.0, device="cpu").view(2, 3)
+    with torch.inference_mode():
+        inferred = torch.zeros(3, device="cpu")
+    others = [torch.zeros(3, dtype=torch.complex64, device="cpu").conj(), torch._neg_view(torch.zeros(3, device="cpu")),
+              torch.empty(3, device="meta"), torch._efficientzerotensor(3, device="cpu")]
+    probes = [(t, t._cdata, torch._C._dispatch_keys(t).raw_repr(), t.data_ptr() if t.device.type == "cpu" else 0,
+               tuple(t.shape), t.stride()) for t in (plain, inferred, *others)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ("ComplexHalf support is experimental")
+        dtypes = [(torch.empty(0, dtype=dtype, device="cpu"), dtype.itemsize) for dtype in CODE_OF_DTYPE]
+    modes = (torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack)
+    descriptors = (torch._C.TensorBase.__dict__["requires_grad"], torch._C.TensorBase.untyped_storage)
+    fresh = [torch.zeros(3, device="cpu"), torch.ones(2, 2, dtype=torch.int64, device="cpu"), torch.empty(0)]
+    leaf = torch.zeros(3, requires_grad=True, device="cpu")
+    graded = [leaf, leaf * 2, leaf[1:], torch.ones(2, device="cpu").requires_grad_()]
+    return (*descriptors, modes, dtypes, probes, fresh, graded)
 
 
 STACK_INTO, WHY_OFF = learn()
@@ -82,9 +104,9 @@ def warn_if_off() -> None:
 
 def user_stacklevel() -> int:
     """warnings.warn's stacklevel for the caller's first frame outside shmloader (and torch's loader)."""
+    torch_data = os.path.dirname(torch.utils.data.__file__) + os.sep
     frame: FrameType | None = sys._getframe(1)
     level = 1
-    while frame is not None and (frame.f_code.co_filename.startswith(PACKAGE_DIR + os.sep)
-                                 or os.sep.join(("torch", "utils", "data")) in frame.f_code.co_filename):
+    while frame is not None and frame.f_code.co_filename.startswith((PACKAGE_DIR + os.sep, torch_data)):
         frame, level = frame.f_back, level + 1
     return level

@@ -25,7 +25,8 @@ def native_line(native: ModuleType | None, error: str = "") -> str:
     if native is None:
         from shmloader._reinstall import reinstall_command
 
-        return f"fast path: off (shmloader._native did not load: {error}, {reinstall_command()})"
+        return (f"fast path: off (shmloader._native did not load: {error}; shmloader cannot run without it, "
+                f"{reinstall_command()})")
     return f"fast path: on (shmloader._native: the ring's slots, semaphores and per-batch steps, {native.__file__})"
 
 
@@ -33,8 +34,10 @@ def stack_line() -> str:
     """The worker's stack: on once ``_native.stack_into`` knows this torch's tensors."""
     import torch
 
-    from shmloader import _accel
-
+    try:
+        from shmloader import _accel
+    except ImportError as error:  # (a stale build: the layout check refuses it)
+        return f"fast path: off ({error})"
     if _accel.WHY_OFF is not None:
         why, command = _accel.WHY_OFF
         return f"fast path: off ({why}, {command})"

@@ -150,9 +150,12 @@ _NUMPY_MAX_NDIM: Final = 32  # numpy 1.x's limit (2.x: 64); a tensor with more d
 # The C codec has its own item-size table (native/_native.c) and kind count: they must agree.
 if (len(DTYPES) != len(_native.ITEMSIZES) or len(Kind) != _native.N_KINDS
         or any(dt is not None and dt.itemsize != size for dt, size in zip(DTYPES, _native.ITEMSIZES))):
+    from shmloader._reinstall import reinstall_command
+
     raise ImportError(
         f"shmloader._native's dtype table {_native.ITEMSIZES} (kinds: {_native.N_KINDS}) does not match "
-        f"wire.layout.DTYPES {tuple(dt and dt.itemsize for dt in DTYPES)} (kinds: {len(Kind)}): rebuild the extension"
+        f"wire.layout.DTYPES {tuple(dt and dt.itemsize for dt in DTYPES)} (kinds: {len(Kind)}): rebuild it: "
+        f"{reinstall_command()}"
     )
 
 

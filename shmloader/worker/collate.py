@@ -128,14 +128,14 @@ class SlotWriter:
                 or obj.layout is not torch.strided
                 or obj.device.type != "cpu"
                 or obj.requires_grad
-                or obj.dtype not in CODE_OF_DTYPE and (obj.is_quantized or obj.is_conj() or obj.is_neg() or not obj.numel())
+                or obj.is_quantized
             ):
                 return None
+            if obj.dtype not in CODE_OF_DTYPE:
+                return self._by_name(obj)
             storage = None if obj.is_conj() or obj.is_neg() or not obj.numel() else obj.untyped_storage()
             if storage is not None:  # (conjugate and negative views are resolved into a copy)
-                # A dtype newer than this shmloader (bcomplex32 in torch 2.14) has no code: its
-                # bytes, viewed by the dtype's name (torch's own pickle of it did not load back)
-                view = self._view_of(obj, storage, always=obj.dtype not in CODE_OF_DTYPE)
+                view = self._view_of(obj, storage)
                 if view is not None:
                     self._ids[id(obj)] = view
                     self._keep.append(obj)
@@ -159,6 +159,22 @@ class SlotWriter:
         self._ids[id(obj)] = leaf_id  # the same object twice in a batch is one leaf
         self._keep.append(obj)
         return leaf_id
+
+    def _by_name(self, obj: torch.Tensor) -> View:
+        """A tensor of a dtype newer than this shmloader (bcomplex32 in torch 2.14): its bytes,
+        viewed by the dtype's name (torch's own pickle of it did not load back); a conjugate or
+        negative view's resolved first, as the other dtypes' are."""
+        plain = obj.resolve_conj().resolve_neg()
+        storage = plain.untyped_storage()
+        if plain.numel():
+            view = self._view_of(plain, storage, always=True)
+            assert view is not None
+        else:
+            dtype = str(plain.dtype).removeprefix("torch.")
+            view = (VIEW, self._bytes_leaf(storage, 0, 0), dtype, 0, tuple(plain.shape), plain.stride(), len(self._ids))
+        self._ids[id(obj)] = view
+        self._keep += [obj, plain]
+        return view
 
     def _view_of(self, obj: torch.Tensor, storage: torch.UntypedStorage, always: bool = False) -> View | None:
         """``obj`` as a view of a leaf of its storage's bytes, or (unless ``always``) None for a

@@ -61,13 +61,14 @@ def test_an_unknown_torch_says_why_and_the_command_that_upgrades_shmloader_alone
     stack, off = _accel.learn()
     assert stack is None and off is not None
     assert off[0] == f"torch {torch.__version__}'s tensors are not recognised: no word of a 48-byte tensor object holds its TensorImpl"
-    assert off[1].split()[1:] == ["-m", "pip", "install", "--no-deps", "--upgrade", "-e", _info.os.path.dirname(_accel.PACKAGE_DIR)]
+    tree = _info.os.path.dirname(_accel.PACKAGE_DIR)  # (this checkout: a tree, brought up to date and built again)
+    assert off[1] == f"git -C {tree} pull && {sys.executable} -m pip install --no-deps --force-reinstall -e {tree}"
 
 
 def test_a_missing_native_part_says_the_command_that_rebuilds_it() -> None:
     line = _info.native_line(None, "No module named 'shmloader._native'")
-    assert line == (f"fast path: off (shmloader._native did not load: No module named 'shmloader._native', "
-                    f"{reinstall_command()})")
+    assert line == (f"fast path: off (shmloader._native did not load: No module named 'shmloader._native'; "
+                    f"shmloader cannot run without it, {reinstall_command()})")
     assert "--no-deps --force-reinstall" in line
 
 
@@ -121,19 +122,22 @@ class Dist:
         return self.direct if name == "direct_url.json" else None
 
 
-@pytest.mark.parametrize("direct, want", [
+@pytest.mark.parametrize("direct, reinstall, upgrade", [
     ('{"url": "file:///wheels/shmloader-0.1.0-cp311-cp311-manylinux_2_34_x86_64.whl", "archive_info": {}}',
-     "/wheels/shmloader-0.1.0-cp311-cp311-manylinux_2_34_x86_64.whl"),
-    ('{"url": "file:///home/me/my%20clone", "dir_info": {}}', "'/home/me/my clone'"),
-    (None, "shmloader"),
-], ids=["a wheel file", "a directory", "the package index"])
-def test_the_reinstall_command_reinstalls_shmloader_alone_as_it_was_installed(
-        direct: str | None, want: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+     "/wheels/shmloader-0.1.0-cp311-cp311-manylinux_2_34_x86_64.whl", "shmloader"),
+    ('{"url": "file:///home/me/my%20clone", "dir_info": {}}', "'/home/me/my clone'", "shmloader"),
+    ('{"url": "ssh://git@example.org/shmloader.git", "vcs_info": {"vcs": "git", "commit_id": "abc123"}}',
+     "git+ssh://git@example.org/shmloader.git@abc123", "git+ssh://git@example.org/shmloader.git"),
+    (None, "shmloader", "shmloader"),
+], ids=["a wheel file", "a directory", "a git URL", "the package index"])
+def test_the_commands_reinstall_or_upgrade_shmloader_alone_as_it_was_installed(
+        direct: str | None, reinstall: str, upgrade: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from shmloader import _reinstall
 
     monkeypatch.setattr(_reinstall, "PACKAGE_DIR", str(tmp_path / "site-packages" / "shmloader"))
     monkeypatch.setattr(_reinstall.metadata, "distribution", lambda name: Dist(direct))
-    assert _reinstall.reinstall_command() == f"{sys.executable} -m pip install --no-deps --force-reinstall {want}"
+    assert _reinstall.reinstall_command() == f"{sys.executable} -m pip install --no-deps --force-reinstall {reinstall}"
+    assert _reinstall.upgrade_command() == f"{sys.executable} -m pip install --no-deps --upgrade {upgrade}"
 
 
 def test_from_a_source_tree_the_command_rebuilds_the_tree() -> None:

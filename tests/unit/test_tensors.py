@@ -105,17 +105,56 @@ def test_plain_samples_however_made_are_stacked(name: str, samples: list[torch.T
     assert torch.equal(out, torch.stack(samples))
 
 
-def test_a_batch_of_a_mebibyte_or_more_is_stacked_as_torch_stacks_it_and_its_samples_let_go() -> None:
+def test_a_batch_of_a_mebibyte_or_more_is_stacked_as_torch_stacks_it_and_its_storages_let_go() -> None:
     import sys
 
     samples = [torch.full((256, 256), float(i)) for i in range(5)]  # 1.25 MiB: copied without the GIL
-    storages = [s.untyped_storage() for s in samples]
-    counts = [sys.getrefcount(s) for s in samples]
     out = torch.empty(5, 256, 256)
+    storages = [s.untyped_storage() for s in (*samples, out)]  # (the objects stack_into keeps for the copy)
+    counts = [sys.getrefcount(s) for s in (*samples, *storages)]
     assert stack_into(samples, out) is True
     assert torch.equal(out, torch.stack(samples))
-    assert [sys.getrefcount(s) for s in samples] == counts  # (each storage held for the copy, then let go)
-    assert all(s.data_ptr() == t.data_ptr() for s, t in zip(storages, samples))
+    assert [sys.getrefcount(s) for s in (*samples, *storages)] == counts  # (kept for the copy, then let go)
+
+
+def test_python_code_run_while_a_large_batch_s_storages_are_taken_cannot_make_it_write_amiss() -> None:
+    samples = [torch.full((256, 256), float(i)) for i in range(5)]
+    out = torch.zeros(5, 256, 256)
+    original = samples[0]
+
+    class Shrinking(list):  # (a list subclass is refused outright; a gc callback is what could run)
+        pass
+
+    import gc
+
+    def meddle(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start" and samples:
+            samples.clear()
+            out.resize_(1)
+
+    gc.callbacks.append(meddle)
+    try:
+        threshold = gc.get_threshold()
+        gc.set_threshold(1)  # (a collection at stack_into's first allocation)
+        result = stack_into(samples, out)
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(meddle)
+    assert result is False and samples == [] and out.shape == (1,)  # out changed under it: refused
+    assert original.shape == (256, 256)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_lazy_clone"), reason="no copy-on-write tensors in this torch")
+def test_a_copy_on_write_sample_is_read_and_stays_shared_as_torch_stack_leaves_it() -> None:
+    samples = [torch._lazy_clone(torch.full((3, 4), float(i))) for i in range(5)]
+    out = fresh_out((5, 3, 4), torch.float32)
+    assert stack_into(samples, out) is True and torch.equal(out, torch.stack(samples))
+    assert all(torch._C._is_cow_tensor(s) for s in samples)  # (read through the shim's const pointer)
+
+
+def inference_out() -> torch.Tensor:
+    with torch.inference_mode():  # (stack(out=) refuses it outside inference mode)
+        return fresh_out((5, 3, 4), torch.float32)
 
 
 class Sub(torch.Tensor):
@@ -150,6 +189,7 @@ def refusals() -> list[tuple[str, Any, torch.Tensor]]:
         ("empty", [], fresh_out((0, 3, 4), torch.float32)),
         ("out not contiguous", base, fresh_out((4, 3, 5), torch.float32).transpose(0, 2)),
         ("out needs grad", base, fresh_out((5, 3, 4), torch.float32).requires_grad_()),
+        ("out made in inference mode", base, inference_out()),
     ]
     inside = fresh_out((5, 3, 4), torch.float32)
     cases.append(("a sample inside out", [inside[i] for i in range(5)], inside))
@@ -239,15 +279,35 @@ def test_the_environment_variable_turns_it_off_and_says_how_to_turn_it_on(monkey
 
 
 def test_a_torch_whose_tensors_do_not_match_leaves_it_unlearned(relearn: None) -> None:
-    plain, other = torch.zeros(3), torch.zeros(2)
-    probes = [(t, t._cdata + 8, torch._C._dispatch_keys(t).raw_repr(), t.data_ptr()) for t in (plain, other)] * 2
-    grad = torch.zeros(1, requires_grad=True)
-    why = _native.learn_tensors(_accel.TORCH_LIB, torch.Tensor, torch._C.TensorBase.__dict__["requires_grad"],
-                                (torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack),
-                                [], probes, [plain, other], [grad, grad])
+    requires_grad, untyped_storage, modes, dtypes, probes, fresh, graded = _accel._probes()
+    elsewhere = [(t, cdata + 8, *rest) for t, cdata, *rest in probes]  # (no word holds these)
+    why = _native.learn_tensors(_accel.TORCH_LIB, torch.Tensor, requires_grad, untyped_storage, modes, dtypes,
+                                elsewhere, fresh, graded)
     assert why == f"no word of a {torch.Tensor.__basicsize__}-byte tensor object holds its TensorImpl"
+    assert _native.tensor_offsets() is None
     samples, out = samples_of(torch.float32), fresh_out((5, 3, 4), torch.float32)
     assert stack_into(samples, out) is False and untouched(out)  # (unlearned: nothing read, nothing written)
+
+
+def test_a_shim_that_says_otherwise_than_torch_leaves_it_unlearned(relearn: None) -> None:
+    requires_grad, untyped_storage, modes, dtypes, probes, fresh, graded = _accel._probes()
+    t, cdata, keys, data, shape, stride = probes[0]
+    probes[0] = (t, cdata, keys, data, (*shape[:-1], shape[-1] + 1), stride)
+    why = _native.learn_tensors(_accel.TORCH_LIB, torch.Tensor, requires_grad, untyped_storage, modes, dtypes,
+                                probes, fresh, graded)
+    assert why == "torch's C shim does not say what torch says of a probe"
+    assert _native.tensor_offsets() is None
+
+
+def test_learning_under_no_grad_inference_mode_or_a_mode_finds_the_same(relearn: None) -> None:
+    from torch.overrides import TorchFunctionMode
+
+    learned = _native.tensor_offsets()
+    assert learned is not None and learned[0] >= 16 and 0 <= learned[2] < learned[1] < 320
+    for context in (torch.no_grad(), torch.inference_mode(), torch.enable_grad(), TorchFunctionMode()):
+        with context:
+            assert _accel.learn() == (stack_into, None), context
+        assert _native.tensor_offsets() == learned
 
 
 def test_its_functions_have_text_signatures() -> None:
