@@ -44,8 +44,7 @@ def learn() -> tuple[Callable[[Any, torch.Tensor], bool] | None, Off | None]:
     except (AttributeError, ImportError, KeyError, RuntimeError, TypeError, ValueError) as error:
         why = f"{type(error).__name__}: {error}"
     if why is not None:  # (a newer shmloader may know them)
-        return None, (f"torch {torch.__version__}'s tensors are not recognised: {why}",
-                      upgrade_command())
+        return None, (f"torch {torch.__version__}'s tensors are not recognised: {why}", upgrade_command())
     return _native.stack_into, None
 
 
@@ -97,8 +96,8 @@ def warn_if_off() -> None:
         return
     _warned = True
     why, command = WHY_OFF
-    warnings.warn(f"shmloader's workers stack samples with torch.stack (about 8 times the CPU for a batch of small samples): "
-                  f"{why}. To turn its fast path on: {command} ({OFF_VARIABLE}=1 silences this)",
+    warnings.warn("shmloader's workers stack samples with torch.stack (about 8 times the CPU for a batch of "
+                  f"small samples): {why}. To turn its fast path on: {command} ({OFF_VARIABLE}=1 silences this)",
                   RuntimeWarning, stacklevel=user_stacklevel())
 
 
