@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import warnings
-from types import FrameType
 from typing import Any, Callable, Iterator
 
 import torch
 
 from shmloader import _native
-from shmloader._reinstall import PACKAGE_DIR, reinstall_command, upgrade_command
+from shmloader._errors import user_stacklevel
+from shmloader._reinstall import reinstall_command, upgrade_command
 
 OFF_VARIABLE = "SHMLOADER_NO_FAST_PATH"
 TORCH_LIB = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")  # (torch's C shim)
@@ -99,13 +98,3 @@ def warn_if_off() -> None:
     warnings.warn("shmloader's workers stack samples with torch.stack (about 8 times the CPU for a batch of "
                   f"small samples): {why}. To turn its fast path on: {command} ({OFF_VARIABLE}=1 silences this)",
                   RuntimeWarning, stacklevel=user_stacklevel())
-
-
-def user_stacklevel() -> int:
-    """warnings.warn's stacklevel for the caller's first frame outside shmloader (and torch's loader)."""
-    torch_data = os.path.dirname(torch.utils.data.__file__) + os.sep
-    frame: FrameType | None = sys._getframe(1)
-    level = 1
-    while frame is not None and frame.f_code.co_filename.startswith((PACKAGE_DIR + os.sep, torch_data)):
-        frame, level = frame.f_back, level + 1
-    return level

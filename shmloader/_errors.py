@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import pickle
+import sys
+from types import FrameType
 from typing import NoReturn
 
 from torch._utils import ExceptionWrapper
@@ -114,3 +117,19 @@ def fit_error(error: ExceptionWrapper, cap: int) -> bytes:
     payload = pickle.dumps(error)
     assert len(payload) <= cap, (len(payload), cap)  # a slot holds at least a page
     return payload
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def user_stacklevel() -> int:
+    """warnings.warn's stacklevel, for its caller, that names the first frame outside shmloader
+    and torch's loader: the user's line (a loop's ``next``, a loader made)."""
+    import torch.utils.data
+
+    torch_data = os.path.dirname(torch.utils.data.__file__) + os.sep
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith((_PACKAGE, torch_data)):
+        frame, level = frame.f_back, level + 1
+    return level

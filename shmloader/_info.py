@@ -46,13 +46,16 @@ def stack_line() -> str:
 
 
 def memory_line(where: str = SHARED_MEMORY) -> str:
-    try:
-        usage = shutil.disk_usage(where)
-    except OSError as error:
-        return f"shared memory: {where} cannot be used ({error.strerror})"
+    """Where rings live: /dev/shm and its room, or why not there (then memory files)."""
+    from shmloader.wire.shm import shm_problem
+
+    problem = shm_problem(1, where)
+    if problem is not None:
+        return f"shared memory: {problem}; rings go to memory files (memfd), which it does not bound"
+    usage = shutil.disk_usage(where)
     gib = 1 << 30
-    writable = "" if os.access(where, os.W_OK) else ", read-only"
-    return f"shared memory: {where}, {usage.free / gib:.1f} GiB free of {usage.total / gib:.1f} GiB{writable}"
+    return (f"shared memory: {where}, {usage.free / gib:.1f} GiB free of {usage.total / gib:.1f} GiB "
+            "(a ring it cannot hold goes to a memory file, memfd)")
 
 
 def lines() -> list[str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import warnings
 import weakref
 from typing import Any, Callable, Generator, NamedTuple
 
@@ -23,7 +24,7 @@ from shmloader.main import device as _device
 from shmloader.main.budget import plan_ring
 from shmloader.main.delivery import Delivery
 from shmloader.main.dispatch import as_list, post
-from shmloader._errors import ShmLoaderError, WorkerDiedError, raise_worker_error
+from shmloader._errors import ShmLoaderError, WorkerDiedError, raise_worker_error, user_stacklevel
 from shmloader.wire.layout import RESIZE_TASK, RingGeometry, Status
 from shmloader.wire.messages import Attached, Grown, NewRing, Probe, Probed
 from shmloader.main.overflow import OverflowBroker, RingShare
@@ -34,6 +35,20 @@ from shmloader._stats import Counters, worker_busy
 from shmloader.worker.produce import WorkerConfig
 
 Steps = Generator[tuple[Any, ...], None, Any]
+
+
+_said_elsewhere: set[str] = set()  # why rings went to a memfd, each said once in this process
+
+
+def said_where(ring: Ring) -> None:
+    """Warn, once per cause, that a ring is in a memory file because /dev/shm cannot hold it."""
+    if ring.elsewhere is None or ring.elsewhere in _said_elsewhere:
+        return
+    _said_elsewhere.add(ring.elsewhere)
+    warnings.warn(f"shmloader's ring ({ring.geometry.total_bytes:,} bytes) is in a memory file (memfd), not in "
+                  f"/dev/shm: {ring.elsewhere}. Batches travel as fast and are not copied; the memory counts "
+                  "against this process and its cgroup as any other (memory_budget= bounds it).",
+                  RuntimeWarning, stacklevel=user_stacklevel())
 
 
 class Probing(NamedTuple):
@@ -156,6 +171,7 @@ class Lifecycle:
         geometry = plan_ring(sched.num_workers, prefetch_factor, first, slot_bytes, budget,
                              self.broker.memory.in_use)
         ring = Ring(geometry)
+        said_where(ring)
         if device is not None:
             self.delivery.make_stager(device, device_prefetch)
         try:
@@ -270,6 +286,7 @@ class Lifecycle:
             broker.growth_declined = True
             return
         ring = Ring(g)
+        said_where(ring)
         try:
             if self.pinned:
                 _device.register_host(ring.mm, g.total_bytes)

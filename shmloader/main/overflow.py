@@ -29,7 +29,6 @@ flight, and the slot size its ring should grow to.
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
 import threading
@@ -39,11 +38,11 @@ from typing import Any, Callable
 import numpy as np
 
 from shmloader.main import device as _device
-from shmloader._errors import MemoryBudgetError, SharedMemoryFullError
+from shmloader._errors import MemoryBudgetError
 from shmloader.wire.layout import PAGE, grown_slot_bytes, round_up
 from shmloader.main.lease import Where
 from shmloader.wire.ring import Ring
-from shmloader.wire.shm import Mapping
+from shmloader.wire.shm import Mapping, create_memfd
 from shmloader.main.scheduler import Scheduler, SlotState
 
 
@@ -74,23 +73,9 @@ class LoaderMemory:
     def allocate(self, nbytes: int) -> tuple[int, Mapping]:
         """A new anonymous shared region of ``nbytes`` for an overflow batch: (fd, mapping). The
         caller sends the fd and closes it; the mapping is the consumer's."""
-        fd = os.memfd_create("shmloader-overflow", os.MFD_CLOEXEC)
-        try:
-            try:
-                os.posix_fallocate(fd, 0, nbytes)
-            except OSError as exc:
-                if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
-                    raise
-                raise SharedMemoryFullError(
-                    f"a batch that does not fit a ring slot needs {nbytes:,} bytes of shared memory "
-                    f"and the system could not provide them ({exc.strerror}). Lower batch_size, "
-                    "num_workers or prefetch_factor, or set memory_budget= so oversized batches "
-                    "wait for room instead."
-                ) from None
-            mm = Mapping(fd, nbytes)
-        except BaseException:
-            os.close(fd)
-            raise
+        fd, mm = create_memfd(nbytes, "shmloader-overflow",
+                              f"a batch that does not fit a ring slot needs {nbytes:,} bytes of shared memory, "
+                              "and the system could not provide them")
         with self._lock:
             self.overflow += nbytes
         return fd, mm

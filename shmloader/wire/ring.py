@@ -130,9 +130,9 @@ class Ring(_Views):
     """The main process's ring: creates the segment and owns its name and fd."""
 
     def __init__(self, geometry: RingGeometry) -> None:
-        _shm.check_free(geometry.total_bytes)
-        self._name_linked = True
-        self.segment, self.fd, mm = _shm.create_segment_fd(geometry.total_bytes)
+        # In /dev/shm where it fits, else in a memfd (then elsewhere says why: a warning)
+        self.segment, self.fd, mm, self.elsewhere = _shm.create_ring_memory(geometry.total_bytes)
+        self._name_linked = self.segment is not None
         try:
             self.unlink()  # the fd is all that workers need: nothing can be left in /dev/shm from here on
             for offset in [geometry.ready_sem, *(geometry.task_sem(w) for w in range(geometry.num_workers))]:
@@ -146,7 +146,7 @@ class Ring(_Views):
 
     def unlink(self) -> None:
         """Remove the segment's name; mappings and the fd stay valid. Idempotent."""
-        if self._name_linked:
+        if self._name_linked and self.segment is not None:
             self._name_linked = False
             _shm.unlink_segment(self.segment)
 

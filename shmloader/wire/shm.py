@@ -1,4 +1,6 @@
-"""POSIX shared-memory segments: create (then unlink at once: processes share the fd), map.
+"""POSIX shared-memory segments: create (then unlink at once: processes share the fd), map;
+and, where /dev/shm cannot hold one (too small, full, read-only, absent), the same memory as an
+anonymous memory file (memfd), which /dev/shm does not bound.
 
 Only the creator (the main process) unlinks. Names are unpredictable and carry the
 creator's pid; everything is created exclusively with mode 0600. This module knows
@@ -71,12 +73,65 @@ def _fixes(needed: int, free: int) -> str:
     )
 
 
-def check_free(needed: int, path: str = SHM_DIR) -> None:
-    """Raise SharedMemoryFullError if ``path`` cannot hold ``needed`` more bytes."""
+def shm_problem(needed: int, path: str = SHM_DIR) -> str | None:
+    """Why ``path`` cannot hold a segment of ``needed`` bytes (absent, read-only, not writable
+    by this user, too small) and what would let it, or None when it looks as if it can."""
+    try:
+        st = os.statvfs(path)
+    except FileNotFoundError:
+        return f"{path} does not exist (to use it: mount a tmpfs there)"
+    except OSError as exc:
+        return f"{path} cannot be read ({exc.strerror})"
+    if st.f_flag & os.ST_RDONLY:
+        return f"{path} is read-only (to use it: mount it writable)"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{path} is not writable by this user (to use it: let this user write there)"
+    free = st.f_bavail * st.f_frsize
+    if needed > free:
+        return (f"{path} has {free:,} bytes free and the ring needs {needed:,} (to use it: give it room, "
+                "Docker: --shm-size=...)")
+    return None
 
-    free = shm_free_bytes(path)
-    if free is not None and needed > free:
-        raise SharedMemoryFullError(_fixes(needed, free))
+
+def create_ring_memory(size: int) -> tuple[str | None, int, Mapping, str | None]:
+    """The ring's memory, ``size`` bytes reserved: a segment in /dev/shm where it fits, else a
+    memory file (memfd) that /dev/shm does not bound. Returns (the segment's name, or None for a
+    memfd; the fd; the mapping; why not /dev/shm, or None). Raises SharedMemoryFullError only
+    when the memory itself is not there."""
+    why = shm_problem(size)
+    if why is None:
+        try:
+            name, fd, mm = create_segment_fd(size)
+            return name, fd, mm, None
+        except SharedMemoryFullError:  # (filled meanwhile, or a quota statvfs does not show)
+            why = shm_problem(size) or f"{SHM_DIR} is full"
+        except (OSError, posix_ipc.Error) as exc:
+            why = shm_problem(size) or f"{SHM_DIR} refused a segment ({exc})"
+    fd, mm = create_memfd(size, "shmloader-ring", f"the ring needs {size:,} bytes of shared memory ({why}, so "
+                          "it went to a memory file), and the system could not provide them")
+    return None, fd, mm, why
+
+
+def create_memfd(size: int, name: str, what: str) -> tuple[int, Mapping]:
+    """A memory file of ``size`` bytes, reserved and mapped: (fd, mapping). The fd is not
+    inheritable; the caller sends it to the processes that need it and closes it. ``what`` says,
+    in a SharedMemoryFullError, what needed the memory."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+                raise
+            raise SharedMemoryFullError(
+                f"{what} ({exc.strerror}): the machine's memory, or this process's cgroup limit, is used up. "
+                "Lower batch_size, num_workers or prefetch_factor, set memory_budget= so that batches wait "
+                "for room, or give the job more memory."
+            ) from None
+        return fd, Mapping(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def create_segment(size: int) -> tuple[str, mmap.mmap]:

@@ -19,7 +19,6 @@ from shmloader import _native
 from shmloader.main import iterator as _consume
 from shmloader.main import delivery as _delivery
 from shmloader.wire import ring as _ring
-from shmloader.wire import shm as _shm
 from shmloader.main import wait as _wait
 from shmloader.wire.layout import DONE
 from shmloader.main.lease import slot_of
@@ -387,12 +386,6 @@ def test_iterable_workers_are_not_replaced() -> None:
     with pytest.raises(shmloader.WorkerDiedError, match="IterableDataset worker cannot be replaced"):
         for _ in it:
             pass
-
-
-def test_full_dev_shm_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_shm, "shm_free_bytes", lambda path=_shm.SHM_DIR: 1000)
-    with pytest.raises(shmloader.SharedMemoryFullError, match=r"needs [\d,]+ bytes of shared memory but /dev/shm has 1,000 bytes free.*--shm-size"):
-        list(shmloader.DataLoader(Range(8), batch_size=2, num_workers=2))
 
 
 def test_garbage_collected_mid_epoch_stops_workers() -> None:

@@ -16,13 +16,13 @@ import torch
 
 import shmloader
 from shmloader import _accel, _info, _native
-from shmloader._reinstall import reinstall_command
+from shmloader._reinstall import PACKAGE_DIR, reinstall_command
 from shmloader.worker import collate as _collate
 
 
 def expected_head() -> list[str]:
     return [
-        f"shmloader {_info.version_of('shmloader')} ({_accel.PACKAGE_DIR})",
+        f"shmloader {_info.version_of('shmloader')} ({PACKAGE_DIR})",
         f"Python {sys.version.split()[0]} (CPython, {sys.executable})",
         f"torch {torch.__version__}",
         f"numpy {np.__version__}",
@@ -34,7 +34,8 @@ def expected_head() -> list[str]:
 
 def memory(line: str) -> None:
     total = shutil.disk_usage("/dev/shm").total / (1 << 30)  # (what is free moves between two reads)
-    assert re.fullmatch(rf"shared memory: /dev/shm, \d+\.\d GiB free of {total:.1f} GiB", line), line
+    assert re.fullmatch(rf"shared memory: /dev/shm, \d+\.\d GiB free of {total:.1f} GiB "
+                        r"\(a ring it cannot hold goes to a memory file, memfd\)", line), line
 
 
 @pytest.mark.skipif(_accel.WHY_OFF is not None, reason="the fast path is off here: test_the_off_case covers it")
@@ -61,7 +62,7 @@ def test_an_unknown_torch_says_why_and_the_command_that_upgrades_shmloader_alone
     stack, off = _accel.learn()
     assert stack is None and off is not None
     assert off[0] == f"torch {torch.__version__}'s tensors are not recognised: no word of a 48-byte tensor object holds its TensorImpl"
-    tree = _info.os.path.dirname(_accel.PACKAGE_DIR)  # (this checkout: a tree, brought up to date and built again)
+    tree = _info.os.path.dirname(PACKAGE_DIR)  # (this checkout: a tree, brought up to date and built again)
     assert off[1] == f"git -C {tree} pull && {sys.executable} -m pip install --no-deps --force-reinstall -e {tree}"
 
 
@@ -73,7 +74,9 @@ def test_a_missing_native_part_says_the_command_that_rebuilds_it() -> None:
 
 
 def test_unusable_shared_memory_is_said() -> None:
-    assert _info.memory_line("/no/such/dir") == "shared memory: /no/such/dir cannot be used (No such file or directory)"
+    assert _info.memory_line("/no/such/dir") == (
+        "shared memory: /no/such/dir does not exist (to use it: mount a tmpfs there); rings go to memory files "
+        "(memfd), which it does not bound")
 
 
 @pytest.mark.slow
@@ -141,5 +144,5 @@ def test_the_commands_reinstall_or_upgrade_shmloader_alone_as_it_was_installed(
 
 
 def test_from_a_source_tree_the_command_rebuilds_the_tree() -> None:
-    tree = _info.os.path.dirname(_accel.PACKAGE_DIR)
+    tree = _info.os.path.dirname(PACKAGE_DIR)
     assert reinstall_command() == f"{sys.executable} -m pip install --no-deps --force-reinstall -e {tree}"
