@@ -256,12 +256,9 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
                 consumed.add(int(hdr[Field.R_SEQ]))
             sched.give_back(slot)
             self._broker.drop(slot)
-            if status == Status.ERROR or status == Status.INIT_ERROR:
-                error = pickle.loads(read_pickled(ring, slot))
-                if status == Status.ERROR:
-                    self._batch_failed()  # the loader goes on, as torch's does
-                else:
-                    self._shutdown_workers()  # worker_init_fn failed: the worker cannot go on
+            if status == Status.ERROR or status == Status.INIT_ERROR:  # (a failed worker_init_fn fails each
+                error = pickle.loads(read_pickled(ring, slot))       # of its worker's batches: worker.loop)
+                self._batch_failed()  # the loader goes on, as torch's does
                 raise_worker_error(error)
             self._shutdown_workers()
             raise CorruptSlotError(f"slot {slot}: unknown result status {status}")

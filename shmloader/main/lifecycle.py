@@ -153,12 +153,9 @@ class Lifecycle:
             if status == Status.STOP:
                 sched.end_shard(wid)
                 sched.rcvd_seq = seq + 1  # only exhausted shards came before
-            elif status == Status.ERROR:  # the first batch's own error: raised, and the next one is probed
-                sched.rcvd_seq = seq + 1
-                batch_failed()
-                raise_worker_error(error)
-            elif status == Status.INIT_ERROR:
-                self.shutdown()
+            elif status == Status.ERROR or status == Status.INIT_ERROR:  # the first batch's error (its own,
+                sched.rcvd_seq = seq + 1                                 # or its worker's worker_init_fn's):
+                batch_failed()                                           # raised; the next one is probed
                 raise_worker_error(error)
             else:
                 first = needed

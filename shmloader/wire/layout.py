@@ -105,7 +105,7 @@ class Status(enum.IntEnum):
     ERROR = 2  # the skeleton is a pickled ExceptionWrapper of this batch's error; the next batches go on
     NEED_MEMORY = 3  # the batch did not fit; NEEDED holds its size; the worker waits for overflow memory
     PROBED = 4  # the probe's reply: the first batch was made privately and measures NEEDED bytes
-    INIT_ERROR = 5  # the skeleton is a pickled ExceptionWrapper from worker_init_fn: the worker cannot go on
+    INIT_ERROR = 5  # the skeleton is a pickled ExceptionWrapper from worker_init_fn: each of its batches fails
 
 
 class Region(enum.IntEnum):

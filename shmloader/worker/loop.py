@@ -246,6 +246,28 @@ def _deliver(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWrite
     return True
 
 
+_first_epoch: list[int] = []  # the epoch of this worker's first task: the one its worker_init_fn ran for
+_init_error_said = False  # whether an IterableDataset's failed worker has said its error
+
+
+def failed_init(cfg: WorkerConfig, error: ExceptionWrapper, epoch: int) -> Outcome | None:
+    """What a worker whose worker_init_fn raised answers a task, as torch's loader has it (None:
+    make the batch). In the epoch it started in, every task of a map-style dataset fails with
+    that error (torch's raises it once, then an UnboundLocalError), so the other workers'
+    batches arrive and the epoch ends; an IterableDataset's shard has no batch to fail, so its
+    first task gets the error and the next ones its end (torch's would raise without end). A
+    persistent worker's later epochs make their batches, as torch's do."""
+    global _init_error_said
+    if not _first_epoch:
+        _first_epoch.append(epoch)
+    if epoch != _first_epoch[0]:
+        return None
+    if cfg.iterable and _init_error_said:
+        return Outcome(Status.STOP)
+    _init_error_said = True
+    return Outcome(Status.INIT_ERROR, error=error)
+
+
 def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
     parent = ParentWatch(cfg.parent_pid)
     init_error = init(cfg)
@@ -264,9 +286,9 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
             return
         if isinstance(msg, Probe):
             epoch, seq, index = msg
-            if init_error is not None:
-                outcome, batch = Outcome(Status.INIT_ERROR, error=init_error), None
-                init_error = None
+            failed = None if init_error is None else failed_init(cfg, init_error, epoch)
+            if failed is not None:
+                outcome, batch = failed, None
             else:
                 probe_writer.begin(0, 0)
                 outcome, batch = producer.produce(epoch, index, probe_writer, slot_collate_map(probe_writer))
@@ -368,8 +390,9 @@ def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: Producer, mailbox: M
         # (a slot of capacity 0 takes the overflow path: measured, then granted a memfd)
         writer.begin(start, 0 if own else ring.data_bytes)
         batch = None
-        if init_error is not None:
-            outcome, init_error = Outcome(Status.INIT_ERROR, error=init_error), None
+        failed = None if init_error is None else failed_init(cfg, init_error, epoch)
+        if failed is not None:
+            outcome = failed
         else:
             outcome, batch = producer.produce(epoch, index, writer, fn_map)
         spent = time.monotonic_ns() - began

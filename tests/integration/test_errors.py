@@ -10,6 +10,7 @@ import gc
 import multiprocessing
 import pickle
 import re
+import warnings
 from typing import Any, Callable
 
 import pytest
@@ -231,15 +232,67 @@ def test_checkpoint_after_a_caught_error_resumes_exactly() -> None:
     assert seen + outcomes(resumed)[0] == whole
 
 
-def test_worker_init_fn_failure_ends_the_loader_and_later_calls_say_why() -> None:
-    def init(worker_id: int) -> None:
-        raise OSError(f"init {worker_id} failed")
+class FailingInit:
+    """worker_init_fn that fails in the workers given (a shard list it cannot open)."""
 
-    it = iter(shmloader.DataLoader(BadSamples(20, ()), batch_size=2, num_workers=2, worker_init_fn=init))
-    with pytest.raises(OSError, match="init 0 failed"):
-        next(it)
-    with pytest.raises(RuntimeError, match=r"stopped after an earlier error \(OSError: Caught OSError in DataLoader worker process 0"):
-        next(it)
+    def __init__(self, failing: tuple[int, ...]) -> None:
+        self.failing = failing
+
+    def __call__(self, worker_id: int) -> None:
+        if worker_id in self.failing:
+            raise ValueError(f"cannot open shard list for worker {worker_id}")
+
+
+def outcomes_of(it: Any, calls: int = 30) -> list[Any]:
+    """What a loop that catches errors and goes on sees: batches, error types, END."""
+    out: list[Any] = []
+    for _ in range(calls):
+        try:
+            out.append(next(it).tolist())
+        except StopIteration:
+            out.append("END")
+            break
+        except Exception as exc:
+            out.append(type(exc).__name__)
+    return out
+
+
+@pytest.mark.parametrize("failing", [(1,), (0,), (0, 1, 2)], ids=["worker 1", "worker 0 (the probe's)", "all"])
+@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("persistent", [False, True], ids=["", "persistent"])
+def test_a_failing_worker_init_fn_fails_that_worker_s_batches_and_the_epoch_ends_as_torch_s(
+        failing: tuple[int, ...], workers: int, persistent: bool) -> None:
+    def make(cls: Any) -> Any:
+        return cls(torch.arange(16.0), batch_size=2, num_workers=workers, worker_init_fn=FailingInit(failing),
+                   persistent_workers=persistent)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch's: more workers than this machine's suggested maximum)
+        theirs_loader, ours_loader = make(torch.utils.data.DataLoader), make(shmloader.DataLoader)
+        epochs = []
+        for _ in range(2 if persistent else 1):  # (persistent: the next epoch's workers are the same)
+            # torch raises the init error once, then an UnboundLocalError of its own for that worker's batches
+            theirs = ["ValueError" if o == "UnboundLocalError" else o for o in outcomes_of(iter(theirs_loader))]
+            assert outcomes_of(iter(ours_loader)) == theirs
+            epochs.append(theirs)
+    if persistent:
+        ours_loader._iterator._shutdown_workers()
+        theirs_loader._iterator._shutdown_workers()
+    assert epochs[0][-1] == "END" and epochs[0].count("ValueError") == sum(b % workers in failing for b in range(8))
+    assert all(e == [[2.0 * b, 2.0 * b + 1] for b in range(8)] + ["END"] for e in epochs[1:])  # (torch's workers
+    # run their later epochs: a persistent worker whose init failed makes its batches from then on)
+
+
+class Shard(torch.utils.data.IterableDataset[int]):
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        return iter(range(info.id * 100, info.id * 100 + 4))
+
+
+def test_an_iterable_dataset_s_failed_worker_raises_once_then_its_shard_ends() -> None:
+    it = iter(shmloader.DataLoader(Shard(), batch_size=2, num_workers=2, worker_init_fn=FailingInit((1,))))
+    # torch's raises, then UnboundLocalError without end: its failed shard never ends
+    assert outcomes_of(it) == [[0, 1], "ValueError", [2, 3], "END"]
 
 
 def test_a_death_beyond_max_worker_restarts_ends_the_epoch_with_a_reason() -> None:
