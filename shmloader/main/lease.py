@@ -214,6 +214,10 @@ def copy_leaf(leaf: Any, kind: int) -> Any:
         out = copy_out(leaf)
         if out is not None:
             return out
+    if leaf.dtype is torch.bool:  # its bytes as they are (clone makes 0x01 of a 0xFF true, as numpy stores it)
+        out = torch.empty_like(leaf)
+        out.view(torch.uint8).copy_(leaf.view(torch.uint8))
+        return out
     return leaf.clone()
 
 

@@ -143,6 +143,8 @@ class SlotWriter:
             out = self.tensor(obj.dtype, tuple(obj.shape))
             if not self.fits:
                 pass  # measuring only (past its capacity, or a probe): its leaves are never published
+            elif obj.dtype is torch.bool:  # its bytes as they are (copy_ makes 0x01 of a 0xFF true, as numpy stores it)
+                out.view(torch.uint8).copy_(obj.view(torch.uint8))
             elif CODE_OF_DTYPE[obj.dtype] < TORCH_ONLY_CODES and obj.dtype is not torch.bfloat16:
                 out.copy_(obj)
             else:  # float8, sub-byte and bit types: torch copies them as bytes only

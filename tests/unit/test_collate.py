@@ -196,3 +196,35 @@ def test_empty_leaves_round_trip_and_measure(dtype: torch.dtype) -> None:
     probe.begin(0, 0)
     batch = torch.utils.data._utils.collate.collate(samples, collate_fn_map=slot_collate_map(probe))
     assert batch.shape == (3, 0, 2) and probe.finish(batch) > 0
+
+
+def true_bytes(n: int, kind: str) -> Any:
+    """n booleans stored as 0xFF, as numpy stores a PIL mode "1" mask's True."""
+    raw = np.full(n, 0xFF, dtype=np.uint8)
+    return raw.view(np.bool_) if kind == "numpy" else torch.from_numpy(raw).view(torch.bool)
+
+
+def bytes_of(x: Any) -> bytes:
+    return bytes(torch.as_tensor(x).contiguous().view(torch.uint8).reshape(-1).numpy())
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("path", ["stacked", "stacked by torch.stack", "written as is", "a numpy batch",
+                                  "held: copied out"])
+def test_bool_bytes_reach_the_batch_as_the_dataset_made_them(kind: str, path: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from shmloader.worker import collate
+
+    if path == "stacked by torch.stack":
+        monkeypatch.setattr(collate, "_stack_into", None)
+    samples = [true_bytes(8, kind) for _ in range(4)]
+    if path.startswith("stacked"):  # default_collate: torch.as_tensor, then a stack
+        want, (got, _) = default_collate(samples), round_trip(samples, fused=True)
+    elif path == "written as is":  # a batch the collate made: its leaves copied into the slot
+        batch = torch.as_tensor(samples[0]) if kind == "torch" else samples[0]
+        want, (got, _) = batch, round_trip(batch, fused=False)
+    elif path == "a numpy batch":
+        want, (got, _) = np.stack(samples), round_trip(np.stack(samples), fused=False)
+    else:  # a batch the loop holds while the ring is full: copied out of its slot
+        want, (got, _) = default_collate(samples), round_trip(samples, fused=True, copy=True)
+    assert bytes_of(got) == bytes_of(want) == b"\xff" * len(bytes_of(want))
