@@ -40,6 +40,20 @@ Steps = Generator[tuple[Any, ...], None, Any]
 _said_elsewhere: set[str] = set()  # why rings went to a memfd, each said once in this process
 
 
+def index_text(index: Any, width: int = 200) -> str:
+    """A batch's index for a message: whole when its text fits ``width``, else the items that
+    fit and how many are left out (a list cut mid-item says neither)."""
+    text = repr(index)
+    if len(text) <= width or not isinstance(index, (list, tuple)):
+        return text if len(text) <= width else f"{text[:width]}... ({len(text):,} characters)"
+    shown: list[str] = []
+    for item in index:
+        if sum(len(t) + 2 for t in shown) + len(repr(item)) > width - 40:
+            break
+        shown.append(repr(item))
+    return f"[{', '.join(shown)}, ... and {len(index) - len(shown):,} more: {len(index):,} in all]"
+
+
 def said_where(ring: Ring) -> None:
     """Warn, once per cause, that a ring is in a memory file because /dev/shm cannot hold it."""
     if ring.elsewhere is None or ring.elsewhere in _said_elsewhere:
@@ -329,7 +343,7 @@ class Lifecycle:
         if current:
             task = sched.task_of(current[0][1])
             assert task is not None
-            doing = f" while producing batch {task.seq} (index {as_list(task.index)!r:.200})"
+            doing = f" while producing batch {task.seq} (index {index_text(as_list(task.index))})"
         elif self.ring is None:
             doing = " before it answered for the first batch, before the ring was set up"
         used = self.counters.worker_restarts
@@ -341,11 +355,20 @@ class Lifecycle:
                       "give the dataset state_dict() and load_state_dict() to make its workers replaceable")
         elif used >= max_restarts:
             reason = f"{used} of max_worker_restarts={max_restarts} restarts are used up"
+        memory = " If it ran out of memory, lower batch_size, num_workers or prefetch_factor" if pool.killed(wid) else ""
         if reason is not None:
-            hint = (" If it ran out of memory, lower batch_size, num_workers or prefetch_factor; to tolerate "
-                    "more deaths raise max_worker_restarts." if pool.killed(wid) else "")
+            hint = f"{memory}; to tolerate more deaths raise max_worker_restarts." if memory else ""
             raise WorkerDiedError(f"{pool.death(wid)}{doing}; {reason}.{hint}")
-        self.counters.worker_restarts += 1
+        self.counters.worker_restarts += 1  # (stats().worker_restarts)
+        said = (f"{pool.death(wid)}{doing}; replaced ({used + 1} of max_worker_restarts={max_restarts}): its "
+                f"batches are made again, in order.{memory + '.' if memory else ''}")
+        self._replace(wid)
+        # (said once the replacement is done: a warning made an error must not leave it half done)
+        warnings.warn(said, RuntimeWarning, stacklevel=user_stacklevel())
+
+    def _replace(self, wid: int) -> None:
+        """``recover``'s replacement of dead worker ``wid``, and its tasks dispatched again."""
+        sched, pool = self.sched, self.pool
         if self.ring is None:  # it died probing the first batch: a fresh worker, which start() asks again
             pool.restart(wid, self.doorbell.fd)
             return

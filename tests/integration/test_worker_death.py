@@ -133,3 +133,40 @@ def test_an_iterable_dataset_without_state_says_how_to_make_it_replaceable() -> 
     with pytest.raises(shmloader.WorkerDiedError, match="give the dataset state_dict\\(\\) and load_state_dict\\(\\)"):
         for _ in it:
             pass
+
+
+def test_a_worker_killed_mid_epoch_is_replaced_said_once_and_counted_and_the_epoch_is_torch_s() -> None:
+    import sys
+    import warnings
+
+    import torch
+
+    data = torch.arange(96.0).view(48, 2)
+    want = [b.clone() for b in torch.utils.data.DataLoader(data, batch_size=4)]
+    loader = shmloader.DataLoader(data, batch_size=4, num_workers=2)
+    it = iter(loader)
+    got = [next(it).clone()]
+    victim = it._life.pool.procs[1]
+    os.kill(victim.pid, signal.SIGKILL)  # as the OOM killer sends it
+    victim.join()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got += [b.clone() for b in it]; line = sys._getframe().f_lineno  # noqa: E702
+    assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
+    said = [w for w in caught if "replaced" in str(w.message)]
+    assert len(said) == 1 and said[0].category is RuntimeWarning and (said[0].filename, said[0].lineno) == (__file__, line)
+    message = str(said[0].message)
+    assert message.startswith(f"DataLoader worker 1 (pid {victim.pid}) was killed by signal SIGKILL while producing batch ")
+    assert message.endswith("; replaced (1 of max_worker_restarts=3): its batches are made again, in order. If it ran "
+                            "out of memory, lower batch_size, num_workers or prefetch_factor.")
+    assert shmloader.stats(loader).worker_restarts == 1
+
+
+def test_a_death_past_the_restarts_names_its_batch_s_index_whole_or_how_much_is_left_out() -> None:
+    from shmloader.main.lifecycle import index_text
+
+    assert index_text([3, 4, 5]) == "[3, 4, 5]"
+    long = list(range(100_000, 100_100))
+    text = index_text(long)
+    assert text.endswith(", ... and 80 more: 100 in all]") and text.startswith("[100000, 100001, ")
+    assert len(text) <= 200 and all(str(i) in text for i in long[:20])
