@@ -12,6 +12,9 @@ from shmloader._errors import BatchTooLargeError as BatchTooLargeError
 from shmloader._errors import CorruptSlotError as CorruptSlotError
 from shmloader._errors import MemoryBudgetError as MemoryBudgetError
 from shmloader._errors import SharedMemoryFullError as SharedMemoryFullError
+from shmloader._errors import SharedMemoryWarning as SharedMemoryWarning
+from shmloader._errors import ShmLoaderWarning as ShmLoaderWarning
+from shmloader._errors import WorkerReplacedWarning as WorkerReplacedWarning
 from shmloader._errors import ShmLoaderError as ShmLoaderError
 from shmloader._errors import StateMismatchError as StateMismatchError
 from shmloader._errors import WorkerDiedError as WorkerDiedError

@@ -21,7 +21,22 @@ class BatchTooLargeError(ShmLoaderError, ValueError):
 
 
 class SharedMemoryFullError(ShmLoaderError, MemoryError):
-    """The shared-memory filesystem cannot hold the ring."""
+    """The memory a ring or a batch needs is not there: neither /dev/shm nor a memory file
+    (memfd) could hold it (the machine's memory, the cgroup's limit)."""
+
+
+class ShmLoaderWarning(RuntimeWarning):
+    """Base class of shmloader's own warnings."""
+
+
+class SharedMemoryWarning(ShmLoaderWarning):
+    """/dev/shm could not hold a ring (too small, full, read-only, absent): it went to a memory
+    file (memfd). Said once per cause in a process."""
+
+
+class WorkerReplacedWarning(ShmLoaderWarning):
+    """A dead worker was replaced and its batches are made again. Made an error (``-W error``),
+    it is raised once the replacement is done, and the iterator goes on."""
 
 
 class CorruptSlotError(ShmLoaderError, ValueError):

@@ -36,7 +36,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 from shmloader import _checkpoint, _state_layout
 from shmloader.main.delivery import Delivery
 from shmloader.main.dispatch import batches_of
-from shmloader._errors import CorruptSlotError, StopCarrier, raise_worker_error
+from shmloader._errors import CorruptSlotError, StopCarrier, WorkerReplacedWarning, raise_worker_error
 from shmloader.wire.layout import Field, Status
 from shmloader.main.lease import leaves_of, read_pickled, slot_of
 from shmloader.main.lifecycle import Lifecycle, live
@@ -287,7 +287,11 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
     def _check(self) -> None:
         """Replace dead workers (or raise); raise if the user's ``timeout`` has passed."""
         for wid in self._life.pool.dead():
-            self._life.recover(wid, self._max_restarts, self._iterable and not has_state(self._dataset))
+            try:
+                self._life.recover(wid, self._max_restarts, self._iterable and not has_state(self._dataset))
+            except WorkerReplacedWarning:  # (made an error: raised once the worker is replaced; the loader goes on)
+                self._raising_batch_error = True
+                raise
         if self._deadline is not None and time.monotonic() >= self._deadline:
             # torch's: raised at the deadline, and the iterator goes on (the next next() waits
             # for the same batch again): nothing is stopped first, nothing is lost.

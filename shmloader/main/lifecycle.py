@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import re
 import warnings
 import weakref
 from typing import Any, Callable, Generator, NamedTuple
@@ -24,7 +25,8 @@ from shmloader.main import device as _device
 from shmloader.main.budget import plan_ring
 from shmloader.main.delivery import Delivery
 from shmloader.main.dispatch import as_list, post
-from shmloader._errors import ShmLoaderError, WorkerDiedError, raise_worker_error, user_stacklevel
+from shmloader._errors import (SharedMemoryWarning, ShmLoaderError, WorkerDiedError, WorkerReplacedWarning,
+                               raise_worker_error, user_stacklevel)
 from shmloader.wire.layout import RESIZE_TASK, RingGeometry, Status
 from shmloader.wire.messages import Attached, Grown, NewRing, Probe, Probed
 from shmloader.main.overflow import OverflowBroker, RingShare
@@ -37,32 +39,41 @@ from shmloader.worker.produce import WorkerConfig
 Steps = Generator[tuple[Any, ...], None, Any]
 
 
-_said_elsewhere: set[str] = set()  # why rings went to a memfd, each said once in this process
+_said_elsewhere: set[str] = set()  # the kinds of cause (figures left out) rings went to a memfd for
 
 
 def index_text(index: Any, width: int = 200) -> str:
-    """A batch's index for a message: whole when its text fits ``width``, else the items that
-    fit and how many are left out (a list cut mid-item says neither)."""
+    """A batch's index for a message, at most ``width`` characters: whole when it fits, else
+    the items that fit and how many are left out (a list cut mid-item says neither)."""
     text = repr(index)
-    if len(text) <= width or not isinstance(index, (list, tuple)):
-        return text if len(text) <= width else f"{text[:width]}... ({len(text):,} characters)"
-    shown: list[str] = []
-    for item in index:
-        if sum(len(t) + 2 for t in shown) + len(repr(item)) > width - 40:
-            break
-        shown.append(repr(item))
-    return f"[{', '.join(shown)}, ... and {len(index) - len(shown):,} more: {len(index):,} in all]"
+    if len(text) <= width:
+        return text
+    if isinstance(index, (list, tuple)) and index:
+        shown: list[str] = []
+        for item in index:
+            rest = len(index) - len(shown) - 1
+            if len("[" + ", ".join([*shown, repr(item)]) + f", ... and {rest:,} more: {len(index):,} in all]") > width:
+                break
+            shown.append(repr(item))
+        if shown:
+            return "[" + ", ".join(shown) + f", ... and {len(index) - len(shown):,} more: {len(index):,} in all]"
+        tail = f" ... ({len(index):,} items, {len(text):,} characters)"
+    else:
+        tail = f" ... ({len(text):,} characters)"
+    return text[: width - len(tail)] + tail
 
 
 def said_where(ring: Ring) -> None:
-    """Warn, once per cause, that a ring is in a memory file because /dev/shm cannot hold it."""
-    if ring.elsewhere is None or ring.elsewhere in _said_elsewhere:
+    """Warn, once per kind of cause (too small, read-only, absent...), that a ring is in a
+    memory file because /dev/shm cannot hold it."""
+    kind = None if ring.elsewhere is None else re.sub(r"[\d,]+", "N", ring.elsewhere)
+    if kind is None or kind in _said_elsewhere:
         return
-    _said_elsewhere.add(ring.elsewhere)
+    _said_elsewhere.add(kind)
     warnings.warn(f"shmloader's ring ({ring.geometry.total_bytes:,} bytes) is in a memory file (memfd), not in "
                   f"/dev/shm: {ring.elsewhere}. Batches travel as fast and are not copied; the memory counts "
                   "against this process and its cgroup as any other (memory_budget= bounds it).",
-                  RuntimeWarning, stacklevel=user_stacklevel())
+                  SharedMemoryWarning, stacklevel=user_stacklevel())
 
 
 class Probing(NamedTuple):
@@ -182,10 +193,10 @@ class Lifecycle:
         geometry = plan_ring(sched.num_workers, prefetch_factor, first, slot_bytes, budget,
                              self.broker.memory.in_use)
         ring = Ring(geometry)
-        said_where(ring)
         if device is not None:
             self.delivery.make_stager(device, device_prefetch)
         try:
+            said_where(ring)  # (a warning made an error closes the ring as any failure here does)
             if device is not None or pin == "cuda":
                 self.pinned = _device.register_host(ring.mm, geometry.total_bytes)
             elif pin is not None:
@@ -297,8 +308,8 @@ class Lifecycle:
             broker.growth_declined = True
             return
         ring = Ring(g)
-        said_where(ring)
         try:
+            said_where(ring)
             if self.pinned:
                 _device.register_host(ring.mm, g.total_bytes)
         except BaseException:
@@ -364,7 +375,7 @@ class Lifecycle:
                 f"batches are made again, in order.{memory + '.' if memory else ''}")
         self._replace(wid)
         # (said once the replacement is done: a warning made an error must not leave it half done)
-        warnings.warn(said, RuntimeWarning, stacklevel=user_stacklevel())
+        warnings.warn(said, WorkerReplacedWarning, stacklevel=user_stacklevel())
 
     def _replace(self, wid: int) -> None:
         """``recover``'s replacement of dead worker ``wid``, and its tasks dispatched again."""

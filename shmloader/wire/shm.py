@@ -116,7 +116,13 @@ def create_memfd(size: int, name: str, what: str) -> tuple[int, Mapping]:
     """A memory file of ``size`` bytes, reserved and mapped: (fd, mapping). The fd is not
     inheritable; the caller sends it to the processes that need it and closes it. ``what`` says,
     in a SharedMemoryFullError, what needed the memory."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    except OSError as exc:  # (a sandbox's seccomp filter, a kernel before 3.17)
+        raise SharedMemoryFullError(
+            f"{what}: memory files are not available here (memfd_create: {exc.strerror}). Give /dev/shm room "
+            "(Docker: --shm-size=...), or lower batch_size, num_workers or prefetch_factor."
+        ) from None
     try:
         try:
             os.posix_fallocate(fd, 0, size)

@@ -246,31 +246,35 @@ def _deliver(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWrite
     return True
 
 
-_first_epoch: list[int] = []  # the epoch of this worker's first task: the one its worker_init_fn ran for
-_init_error_said = False  # whether an IterableDataset's failed worker has said its error
+class FailedInit:
+    """What a worker whose worker_init_fn raised answers a task, as torch's loader has it. In the
+    epoch it started in (its first task's), every task of a map-style dataset fails with that
+    error (torch's raises it once, then an UnboundLocalError), so the other workers' batches
+    arrive and the epoch ends; an IterableDataset's shard has no batch to fail, so its first
+    task gets the error and the next ones its end (torch's would raise without end). A
+    persistent worker's later epochs make their batches (``answer`` is None), as torch's do."""
 
+    def __init__(self, cfg: WorkerConfig, error: ExceptionWrapper) -> None:
+        self.iterable = cfg.iterable
+        self.error = error
+        self.epoch: int | None = None
+        self.said = False
 
-def failed_init(cfg: WorkerConfig, error: ExceptionWrapper, epoch: int) -> Outcome | None:
-    """What a worker whose worker_init_fn raised answers a task, as torch's loader has it (None:
-    make the batch). In the epoch it started in, every task of a map-style dataset fails with
-    that error (torch's raises it once, then an UnboundLocalError), so the other workers'
-    batches arrive and the epoch ends; an IterableDataset's shard has no batch to fail, so its
-    first task gets the error and the next ones its end (torch's would raise without end). A
-    persistent worker's later epochs make their batches, as torch's do."""
-    global _init_error_said
-    if not _first_epoch:
-        _first_epoch.append(epoch)
-    if epoch != _first_epoch[0]:
-        return None
-    if cfg.iterable and _init_error_said:
-        return Outcome(Status.STOP)
-    _init_error_said = True
-    return Outcome(Status.INIT_ERROR, error=error)
+    def answer(self, epoch: int) -> Outcome | None:
+        if self.epoch is None:
+            self.epoch = epoch
+        if epoch != self.epoch:
+            return None
+        if self.iterable and self.said:
+            return Outcome(Status.STOP)
+        self.said = True
+        return Outcome(Status.INIT_ERROR, error=self.error)
 
 
 def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
     parent = ParentWatch(cfg.parent_pid)
     init_error = init(cfg)
+    init_failed = None if init_error is None else FailedInit(cfg, init_error)
     producer = Producer(cfg)
     probe_writer = SlotWriter(None)
     pending: tuple[int, int, Outcome, Any, bytes] | None = None
@@ -286,7 +290,7 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
             return
         if isinstance(msg, Probe):
             epoch, seq, index = msg
-            failed = None if init_error is None else failed_init(cfg, init_error, epoch)
+            failed = None if init_failed is None else init_failed.answer(epoch)
             if failed is not None:
                 outcome, batch = failed, None
             else:
@@ -325,7 +329,7 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
     # The probe's private copy of the first batch (the writer keeps its leaves too): not for
     # the worker's whole life.
     del pending, batch, probe_writer
-    _serve(cfg, ring, producer, mailbox, init_error, doorbell)
+    _serve(cfg, ring, producer, mailbox, init_failed, doorbell)
 
 
 def worker_replacement(cfg: WorkerConfig, geometry: RingGeometry, segment: InheritedFd, conn: Any,
@@ -335,9 +339,10 @@ def worker_replacement(cfg: WorkerConfig, geometry: RingGeometry, segment: Inher
     try:
         parent = ParentWatch(cfg.parent_pid)
         init_error = init(cfg)
+        init_failed = None if init_error is None else FailedInit(cfg, init_error)
         ring = AttachedRing.by_fd(geometry, segment.fd, cfg.worker_id)
         ring.counters[cfg.worker_id][Counter.STARTED_NS] = time.monotonic_ns()
-        _serve(cfg, ring, Producer(cfg), Mailbox(conn, parent, cfg.parent_check_s), init_error, doorbell.fd)
+        _serve(cfg, ring, Producer(cfg), Mailbox(conn, parent, cfg.parent_check_s), init_failed, doorbell.fd)
     except (KeyboardInterrupt, EOFError, BrokenPipeError, ConnectionResetError):
         pass  # as in worker_main
 
@@ -354,7 +359,7 @@ def _reattach(cfg: WorkerConfig, old: AttachedRing, mailbox: Mailbox) -> Attache
 
 
 def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: Producer, mailbox: Mailbox,
-           init_error: ExceptionWrapper | None, doorbell: int) -> None:
+           init_failed: FailedInit | None, doorbell: int) -> None:
     """Steady state: tasks from the queue, batches into slots; shared memory and semaphores only
     (the setup connection only for what does not fit: overflow memory, a grown ring)."""
     writer = SlotWriter(ring.mm)
@@ -390,7 +395,7 @@ def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: Producer, mailbox: M
         # (a slot of capacity 0 takes the overflow path: measured, then granted a memfd)
         writer.begin(start, 0 if own else ring.data_bytes)
         batch = None
-        failed = None if init_error is None else failed_init(cfg, init_error, epoch)
+        failed = None if init_failed is None else init_failed.answer(epoch)
         if failed is not None:
             outcome = failed
         else:

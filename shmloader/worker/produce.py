@@ -254,7 +254,7 @@ def init(cfg: WorkerConfig) -> ExceptionWrapper | None:
     except (StopIteration, SystemExit, KeyboardInterrupt) as exc:
         # Said as what it was, in a RuntimeError: raised as itself from next() it would end the
         # caller's loop in silence (StopIteration), end the main process (SystemExit) or pose as
-        # Ctrl-C, where a failed set-up ends the loader.
+        # Ctrl-C, where a failed set-up fails its worker's batches (worker.loop.FailedInit).
         if isinstance(exc, StopIteration):
             what = "StopIteration", "a DataLoader worker's set-up cannot end an epoch"
         else:

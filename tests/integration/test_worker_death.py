@@ -154,7 +154,8 @@ def test_a_worker_killed_mid_epoch_is_replaced_said_once_and_counted_and_the_epo
         got += [b.clone() for b in it]; line = sys._getframe().f_lineno  # noqa: E702
     assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
     said = [w for w in caught if "replaced" in str(w.message)]
-    assert len(said) == 1 and said[0].category is RuntimeWarning and (said[0].filename, said[0].lineno) == (__file__, line)
+    assert len(said) == 1 and said[0].category is shmloader.WorkerReplacedWarning
+    assert (said[0].filename, said[0].lineno) == (__file__, line)
     message = str(said[0].message)
     assert message.startswith(f"DataLoader worker 1 (pid {victim.pid}) was killed by signal SIGKILL while producing batch ")
     assert message.endswith("; replaced (1 of max_worker_restarts=3): its batches are made again, in order. If it ran "
@@ -168,5 +169,31 @@ def test_a_death_past_the_restarts_names_its_batch_s_index_whole_or_how_much_is_
     assert index_text([3, 4, 5]) == "[3, 4, 5]"
     long = list(range(100_000, 100_100))
     text = index_text(long)
-    assert text.endswith(", ... and 80 more: 100 in all]") and text.startswith("[100000, 100001, ")
-    assert len(text) <= 200 and all(str(i) in text for i in long[:20])
+    shown = text.removeprefix("[").split(", ... and ")[0].split(", ")
+    assert shown == [str(i) for i in long[:len(shown)]] and len(shown) >= 20 and len(text) <= 200
+    assert text.endswith(f", ... and {100 - len(shown)} more: 100 in all]")
+    assert len(index_text(["y" * 300, "z"])) == 200 and index_text(["y" * 300, "z"]).endswith(" ... (2 items, 309 characters)")
+
+
+def test_a_replacement_warning_made_an_error_is_raised_once_and_the_loop_goes_on() -> None:
+    import warnings
+
+    import torch
+
+    data = torch.arange(96.0).view(48, 2)
+    want = [b.clone() for b in torch.utils.data.DataLoader(data, batch_size=4)]
+    it = iter(shmloader.DataLoader(data, batch_size=4, num_workers=2))
+    got, raised = [next(it).clone()], 0
+    victim = it._life.pool.procs[0]
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", shmloader.WorkerReplacedWarning)  # (as -W error makes it)
+        while True:
+            try:
+                got.append(next(it).clone())
+            except shmloader.WorkerReplacedWarning:
+                raised += 1
+            except StopIteration:
+                break
+    assert raised == 1 and len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
