@@ -1,4 +1,4 @@
-# make test   build the virtual environment (if needed) and run mypy + the default tests (what CI runs)
+# make test   build the virtual environment (if needed) and run ruff, codespell, mypy + the default tests (what CI runs)
 # make check  the edit-test loop: mypy, then the default tests but the slow ones (subprocesses,
 #             spawn/forkserver, frameworks, examples, bench CLI), property tests at a fifth of their examples
 # make bench  `shmloader bench --quick`: shmloader vs torch (and SPDL, torchdata) side by side
@@ -12,7 +12,7 @@ PY := $(VENV)/bin/python
 
 DIST ?= dist
 
-.PHONY: test check bench soak peer typecheck wheel clean
+.PHONY: test check bench soak peer lint typecheck wheel clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard native/*.c native/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,7 +21,11 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard native/*.c native/*.h)
 	$(PY) -m pip install -q --no-build-isolation -e ".[dev]"
 	touch $@
 
-typecheck: $(VENV)/.installed
+lint: $(VENV)/.installed
+	$(PY) -m ruff check shmloader tests bench setup.py
+	$(VENV)/bin/codespell shmloader tests bench native README.md Makefile setup.py pyproject.toml
+
+typecheck: lint
 	$(PY) -m mypy shmloader tests/typed/user_module.py  # (strict, pyproject.toml; one run loads torch once)
 
 test: typecheck

@@ -24,6 +24,8 @@ import torch
 import shmloader
 from shmloader.main import device as _device
 from shmloader.wire import shm as _shm
+
+
 def h2d_gbps(src: torch.Tensor, repeats: int = 20) -> float:
     dst = torch.empty(src.shape, dtype=src.dtype, device="cuda")
     dst.copy_(src, non_blocking=True)

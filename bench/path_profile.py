@@ -22,24 +22,25 @@ import os
 import pickle
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
 import shmloader
 from shmloader import _native, _stats
-from shmloader.worker import collate as _collate
-from shmloader.main import iterator as _consume
+from shmloader._bench.measure import usage
 from shmloader.main import delivery as _delivery
-from shmloader.worker import produce as _produce
-from shmloader.wire import ring as _ring
+from shmloader.main import iterator as _consume
 from shmloader.main import scheduler as _slots
 from shmloader.main import wait as _wait
+from shmloader.wire import ring as _ring
+from shmloader.worker import collate as _collate
 from shmloader.worker import loop as _worker
-from shmloader._bench.measure import usage
+from shmloader.worker import produce as _produce
 
-WORK = {"tiny": ((16,), torch.float32, 32), "tokens": ((512,), torch.int64, 64), "image": ((3, 224, 224), torch.uint8, 128)}
+WORK = {"tiny": ((16,), torch.float32, 32), "tokens": ((512,), torch.int64, 64),
+        "image": ((3, 224, 224), torch.uint8, 128)}
 
 # (owner, attribute, label): the main process's steps, then the workers'.
 MAIN_STEPS = [

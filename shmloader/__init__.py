@@ -4,6 +4,7 @@ The public surface is this module; everything else is private, one stage of a
 batch's journey per file: shmloader/README.md lists them and what each owns.
 """
 
+import sys as _sys
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import get_worker_info as get_worker_info
@@ -13,13 +14,11 @@ from shmloader._errors import CorruptSlotError as CorruptSlotError
 from shmloader._errors import MemoryBudgetError as MemoryBudgetError
 from shmloader._errors import SharedMemoryFullError as SharedMemoryFullError
 from shmloader._errors import SharedMemoryWarning as SharedMemoryWarning
-from shmloader._errors import ShmLoaderWarning as ShmLoaderWarning
-from shmloader._errors import WorkerReplacedWarning as WorkerReplacedWarning
 from shmloader._errors import ShmLoaderError as ShmLoaderError
+from shmloader._errors import ShmLoaderWarning as ShmLoaderWarning
 from shmloader._errors import StateMismatchError as StateMismatchError
 from shmloader._errors import WorkerDiedError as WorkerDiedError
-
-import sys as _sys
+from shmloader._errors import WorkerReplacedWarning as WorkerReplacedWarning
 
 if not getattr(_sys, "_is_gil_enabled", lambda: True)():  # (asked once the extensions are imported)
     # A slot goes back to the ring when the lease table holds its base's last reference

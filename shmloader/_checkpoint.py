@@ -32,8 +32,9 @@ NOTE [ What a resume restores, in order ]
    that delivered; with ``in_order=False`` the tasks already consumed are not made again.
 5. ``snapshot_every_n_steps=n``: the snapshot is the one at the latest multiple of n batches;
    the batches after it are produced again and dropped (with ``in_order=False`` the state is
-   always taken now: batches made again would be whichever came first, not those consumed). An IterableDataset with no state of
-   its own (nor its iterator) replays all of them: exact when its shards are deterministic.
+   always taken now: batches made again would be whichever came first, not those consumed). An
+   IterableDataset with no state of its own (nor its iterator) replays all of them: exact when
+   its shards are deterministic.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from torch.utils.data.dataloader import _DatasetKind
 from shmloader._errors import ShmLoaderError, StateMismatchError
 from shmloader._state_layout import EpochStart, Plan, Progress, holds_position, state_dict_of
 from shmloader.worker.produce import has_state
+
 
 def state_of(obj: Any) -> Any:
     """``obj.state_dict()`` where it has the Stateful protocol, else None (torchdata's rule)."""

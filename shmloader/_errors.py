@@ -11,6 +11,8 @@ from typing import NoReturn
 from torch._utils import ExceptionWrapper
 
 from shmloader import _native
+
+
 class ShmLoaderError(RuntimeError):
     """Base class of shmloader's own errors."""
 

@@ -69,7 +69,8 @@ def lines() -> list[str]:
     else:
         native, why = _native, ""
     out = [
-        f"shmloader {version_of('shmloader', 'not installed (a source tree)')} ({os.path.dirname(os.path.abspath(__file__))})",
+        f"shmloader {version_of('shmloader', 'not installed (a source tree)')} "
+        f"({os.path.dirname(os.path.abspath(__file__))})",
         f"Python {platform.python_version()} ({platform.python_implementation()}, {sys.executable})",
         f"torch {torch.__version__}",
         f"numpy {numpy.__version__}",

@@ -26,9 +26,9 @@ import torch
 import torch.utils.data
 
 from shmloader import _checkpoint
-from shmloader.main.iterator import RingIterator
 from shmloader._loader import DataLoader, attach_options, check_options, created, stats_of
 from shmloader._stats import LoaderStats
+from shmloader.main.iterator import RingIterator
 
 _TORCH_GET_ITERATOR: Callable[[Any], Any] = torch.utils.data.DataLoader._get_iterator
 _options: dict[str, Any] | None = None

@@ -15,13 +15,12 @@ import torch
 import torch.utils.data
 
 from shmloader import _accel, _checkpoint, _state_layout
-
+from shmloader._stats import Counters, LoaderStats
 from shmloader.main import device as _device
 from shmloader.main.budget import parse_size
 from shmloader.main.inprocess import InProcessIterator
 from shmloader.main.iterator import RingIterator
 from shmloader.main.overflow import LoaderMemory
-from shmloader._stats import Counters, LoaderStats
 
 
 def check_options(*, slot_bytes: int | None, device_prefetch: int, max_worker_restarts: int) -> None:

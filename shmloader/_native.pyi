@@ -17,10 +17,10 @@ EV_RESULT: int
 ITEMSIZES: tuple[int, ...]
 
 def encode_table(
-    buffer: Any, offset: int, limit: int, leaves: Sequence[tuple[int, int, int, Sequence[int]]]
+    buffer: Any, offset: int, limit: int, leaves: Sequence[tuple[int, int, int, Sequence[int]]], /
 ) -> int: ...
 def decode_table(
-    buffer: Any, offset: int, length: int, data_limit: int
+    buffer: Any, offset: int, length: int, data_limit: int, /
 ) -> list[tuple[int, int, int, int, tuple[int, ...]]]: ...
 def set_corrupt_error(type: type[ValueError], /) -> None: ...
 def read_slot(

@@ -42,7 +42,8 @@ def _pip(args: str) -> str:
 def reinstall_command() -> str:
     """The command that reinstalls this shmloader, as it was installed, and nothing else."""
     how, where, commit = installed_from()
-    return _pip(f"--force-reinstall {'-e ' if how == 'tree' else ''}{shlex.quote(where + ('@' + commit if commit else ''))}")
+    pinned = where + ("@" + commit if commit else "")
+    return _pip(f"--force-reinstall {'-e ' if how == 'tree' else ''}{shlex.quote(pinned)}")
 
 
 def upgrade_command() -> str:

@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from shmloader import _native
+
 MAGIC = 0x53484D53_48415245  # "SHMSHARE"
 KINDS: dict[type, int] = {list: 0, tuple: 1, dict: 2}
 MARSHAL, PICKLE, VIEWS = 0, 1, 2  # element codes (MARSHAL is read in C: native/_share.c)

@@ -99,8 +99,10 @@ class Plan:
             workers = {int(key.rsplit("_", 1)[1]): pickle.dumps({"dataset_state": sd.get("dataset_state"),
                                                                   "fetcher_state": sd.get("fetcher_state")})
                        for key, sd in snap[_WORKERS].items() if sd and holds_position(sd)}
-            earlier = frozenset(int(key.rsplit("_", 1)[1]) for key, sd in snap[_WORKERS].items() if sd and sd.get(EARLIER))
-            step, num_workers, last = int(snap["_snapshot_step"]), int(main["_num_workers"]), snap["_last_yielded_worker_id"]
+            earlier = frozenset(int(key.rsplit("_", 1)[1])
+                                for key, sd in snap[_WORKERS].items() if sd and sd.get(EARLIER))
+            step, num_workers = int(snap["_snapshot_step"]), int(main["_num_workers"])
+            last = snap["_last_yielded_worker_id"]
             in_process: tuple[Any, Any] = (None, None)
             since = int(state.get("_steps_since_snapshot", 0))
         elif "_num_yielded" in state:
@@ -156,7 +158,8 @@ def state_dict_of(loader: Any, start: EpochStart, mark: tuple[Progress, int], no
     iterable = loader._dataset_kind == _DatasetKind.Iterable
     below = progress.consumed if progress.below < 0 else progress.below
     own = {"version": VERSION, "epoch": start.epoch, "fresh": start.fresh, "rng_start": encode_rng(start.rng),
-           "rng_now": encode_rng(now), "pulled": 0 if iterable else progress.pulled, "below": below, "ahead": list(progress.ahead),
+           "rng_now": encode_rng(now), "pulled": 0 if iterable else progress.pulled, "below": below,
+           "ahead": list(progress.ahead),
            "started": started}
     iter_state, sampler_state = progress.sampler_states
     main = {

@@ -10,8 +10,8 @@ import dataclasses
 import time
 from typing import Any
 
-from shmloader.wire.layout import Counter
 from shmloader.main.scheduler import Scheduler, SlotState
+from shmloader.wire.layout import Counter
 
 
 class Counters:

@@ -47,6 +47,11 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeStream:
     return install_fake_cuda(monkeypatch)
 
 
+async def drain(loader: Any) -> list[Any]:
+    """Every batch of one ``async for`` over ``loader``."""
+    return [b async for b in loader]
+
+
 def same(a: Any, b: Any) -> None:
     """Assert two batches are equal type for type and bit for bit."""
     assert type(a) is type(b), (type(a), type(b))

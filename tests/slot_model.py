@@ -8,9 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 from shmloader import _native
+from shmloader.main.scheduler import Scheduler, SlotState, Step, Task
 from shmloader.wire.layout import DONE, Field, Region, Status
 from shmloader.wire.ring import POSTED, Ring
-from shmloader.main.scheduler import Scheduler, SlotState, Step, Task
 
 FREE, IN_FLIGHT, WAITING, READY, LENT = (SlotState.FREE, SlotState.IN_FLIGHT, SlotState.WAITING, SlotState.READY,
                                          SlotState.LENT)

@@ -10,8 +10,10 @@ import sys
 sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])  # the repo, not tests/ (its datasets.py would shadow HF datasets)
 
 import torch
+from transformers import BertConfig, BertForSequenceClassification, DataCollatorWithPadding, Trainer, TrainingArguments
+
 import shmloader
-from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments, DataCollatorWithPadding
+
 
 class Sentences(torch.utils.data.Dataset):
     def __len__(self): return 96

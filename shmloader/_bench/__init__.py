@@ -91,7 +91,8 @@ def run(args: argparse.Namespace) -> tuple[list[Result], list[str]]:
     results: list[Result] = []
     for w in workloads:
         batches = args.batches or (w.quick_batches if args.quick else w.batches)
-        dataset = w.make(args.cache, args.quick, args.data, (batches if w.epochs else batches * repeats + 8) * w.batch_size)
+        samples = (batches if w.epochs else batches * repeats + 8) * w.batch_size
+        dataset = w.make(args.cache, args.quick, args.data, samples)
         runs: dict[str, dict[int, Result]] = {ld.name: {} for ld in loaders}  # loader -> round -> result
         for r, ld in _alternated(loaders, rounds):
             if bar is not None:
@@ -149,7 +150,8 @@ def run_memory(args: argparse.Namespace) -> tuple[list[MemoryResult], list[str]]
                     tree = trees[name]
                     results.append(MemoryResult(w.name, name, persistent, statistics.median(own.values()),
                                                 [own[k] for k in sorted(own)], _peak_ratio(own, peaks.get("torch", {})),
-                                                statistics.median(tree.values()), _peak_ratio(tree, trees.get("torch", {}))))
+                                                statistics.median(tree.values()),
+                                                _peak_ratio(tree, trees.get("torch", {}))))
     if bar is not None:
         bar.close()
     return results, notes
@@ -200,7 +202,8 @@ def _maker(args: argparse.Namespace, w: Workload, ld: Loader, dataset: Any, budg
     return make
 
 
-def _merge(by_round: dict[int, Result], torch_by_round: dict[int, Result], ceiling_by_round: dict[int, Result]) -> Result:
+def _merge(by_round: dict[int, Result], torch_by_round: dict[int, Result],
+           ceiling_by_round: dict[int, Result]) -> Result:
     """One loader's rounds on one workload as one result: the median of the rounds' rates (and
     CPU, and latency percentiles), the range over every repeat, the most memory any round
     took, and the ratios to torch and to the bare ring as the median of each round's ratio to
@@ -254,13 +257,15 @@ def table(results: list[Result]) -> str:
         ratio = "" if r.ratio_to_torch is None else f"{r.ratio_to_torch:.2f}x"
         budget = "" if r.within_budget is None else (" (within budget)" if r.within_budget else " (OVER budget)")
         rows.append(
-            f"| {r.workload} | {r.loader} | {r.batches_per_s:,.1f} ({r.batches_per_s_min:,.1f}-{r.batches_per_s_max:,.1f}) "
+            f"| {r.workload} | {r.loader} | {r.batches_per_s:,.1f} "
+            f"({r.batches_per_s_min:,.1f}-{r.batches_per_s_max:,.1f}) "
             f"| {r.gb_per_s:.2f} | {ratio} | {r.first_batch_s:.2f} | {r.cpu_ms_per_batch:.2f} "
             f"| {r.peak_mb:,.0f} | {r.loader_mb:,.0f}{budget} |"
         )
         if r.overflow_share is not None:
             notes.append(f"- {r.workload} / {r.loader}: {r.overflow_share:.1%} of the batches after the first "
-                         f"epoch took the overflow path; {r.ring_growths} ring growth(s), slots of {r.slot_bytes:,} bytes")
+                         f"epoch took the overflow path; {r.ring_growths} ring growth(s), "
+                         f"slots of {r.slot_bytes:,} bytes")
     return "\n".join(rows + notes)
 
 
@@ -318,7 +323,8 @@ def metadata(args: argparse.Namespace) -> dict[str, Any]:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
         "python": platform.python_version(),
         "versions": {ld.name: ld.version() for ld in LOADERS.values() if ld.available() and ld.name != "dataset"},
-        "command": " ".join(["shmloader", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
+        "command": (" ".join(["shmloader", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"]
+                    else " ".join(sys.argv)),
         "num_workers": args.num_workers,
         "prefetch_factor": args.prefetch_factor,
         "rounds": args.rounds,
@@ -374,11 +380,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# num_workers={args.num_workers} prefetch_factor={args.prefetch_factor}"
           + (f" memory_budget={args.memory_budget}" if args.memory_budget else "")
           + (f" step={args.step_ms} ms" if args.step_ms else "")
-          + (f" rounds={args.rounds} (alternated; vs torch: the median of each round's ratio)" if args.rounds > 1 else ""))
+          + (f" rounds={args.rounds} (alternated; vs torch: the median of each round's ratio)"
+             if args.rounds > 1 else ""))
     if args.memory:
         print("# peak of the process tree's private PSS plus the system's shared-memory growth, above the "
               "baseline before the loader existed, over two epochs, each batch read (hold: three, every batch "
-              "kept, a random kept one read instead); tree PSS: the tree's PSS with its shared pages (psutil's, smem's)")
+              "kept, a random kept one read instead); tree PSS: the tree's PSS with its shared pages "
+              "(psutil's, smem's)")
         print(memory_table(peaks))
     elif args.ceiling:
         print(ceiling_table(results))
@@ -388,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
         print("# per batch, over the measured batches; the workers' sum")
         print(cpu_table(results))
     if args.latency:
-        print("# one next() call, from the call to its return" + (f", after a {args.step_ms} ms step" if args.step_ms else ""))
+        step = f", after a {args.step_ms} ms step" if args.step_ms else ""
+        print("# one next() call, from the call to its return" + step)
         print(latency_table(results))
     for note in notes:
         print(f"- {note}")

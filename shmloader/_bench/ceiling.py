@@ -52,7 +52,8 @@ class BareRing:
                       for s in range(self.num_slots)]
         tag = secrets.token_hex(6)
         self.ready = posix_ipc.Semaphore(f"/bare-r{tag}", posix_ipc.O_CREX, mode=0o600)
-        self.tasks = [posix_ipc.Semaphore(f"/bare-t{tag}-{w}", posix_ipc.O_CREX, mode=0o600) for w in range(num_workers)]
+        self.tasks = [posix_ipc.Semaphore(f"/bare-t{tag}-{w}", posix_ipc.O_CREX, mode=0o600)
+                      for w in range(num_workers)]
         self.pids: list[int] = []
         try:
             for w in range(num_workers):

@@ -119,7 +119,8 @@ def _each(pids: list[int]) -> dict[int, Usage]:
 def _reaped() -> Usage:
     """What the children this process reaped used, theirs and their own reaped children's."""
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return Usage(r.ru_utime + r.ru_stime, round(r.ru_utime * _TICK), round(r.ru_stime * _TICK), r.ru_nvcsw + r.ru_nivcsw)
+    return Usage(r.ru_utime + r.ru_stime, round(r.ru_utime * _TICK), round(r.ru_stime * _TICK),
+                 r.ru_nvcsw + r.ru_nivcsw)
 
 
 class TreeUsage:
@@ -136,7 +137,8 @@ class TreeUsage:
     def _read(self) -> tuple[Usage, dict[int, Usage], Usage]:
         workers = _each([pid for pid in _tree(self.main) if pid != self.main])
         r = resource.getrusage(resource.RUSAGE_SELF)  # (every thread's, exited ones' too)
-        main = Usage(time.process_time(), round(r.ru_utime * _TICK), round(r.ru_stime * _TICK), r.ru_nvcsw + r.ru_nivcsw)
+        main = Usage(time.process_time(), round(r.ru_utime * _TICK), round(r.ru_stime * _TICK),
+                     r.ru_nvcsw + r.ru_nivcsw)
         return main, workers, _reaped()
 
     def stop(self) -> tuple[Usage, Usage]:
@@ -412,7 +414,8 @@ def measure(
         ring_mb=None if ring is None else ring.geometry.total_bytes / 2**20,
         loader_bound=None if stats is None else stats.loader_bound,
         advice=None if stats is None else stats.advice,
-        overflow_share=None if stats is None or not epochs else (stats.overflow_batches - overflow_before) / (batches * repeats),
+        overflow_share=(None if stats is None or not epochs
+                        else (stats.overflow_batches - overflow_before) / (batches * repeats)),
         ring_growths=None if stats is None else stats.ring_growths,
         slot_bytes=None if ring is None else ring.geometry.data_bytes,
         cpu_us=CpuSplit(1e6 * main_use.user / n, 1e6 * main_use.system / n, 1e6 * workers_use.user / n,

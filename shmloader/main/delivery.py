@@ -27,17 +27,15 @@ from typing import Any
 import torch
 
 from shmloader import _native
-
-from shmloader.main import device as _device
-from shmloader.wire.layout import Field
 from shmloader._state_layout import Plan, Progress
+from shmloader._stats import Counters
+from shmloader.main import device as _device
 from shmloader.main.lease import Leases, copy_leaf, lone_args, read_batch, read_dataset_state
 from shmloader.main.overflow import OverflowBroker
 from shmloader.main.pool import WorkerPool
-from shmloader.wire.ring import Ring
 from shmloader.main.scheduler import Scheduler, SlotState
-from shmloader._stats import Counters
-
+from shmloader.wire.layout import Field
+from shmloader.wire.ring import Ring
 
 # A held batch (the user holds every slot a worker can spare: most_lent) under this many bytes is
 # copied out of its slot in the main process, and so are the next ones while the ring stays held;

@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from shmloader.wire.layout import Kind
 from shmloader.main.lease import Where, read_batch
+from shmloader.wire.layout import Kind
 from shmloader.wire.ring import Ring
 from shmloader.wire.shm import Mapping
 
@@ -63,7 +63,8 @@ def register_host(mm: Mapping, nbytes: int, cudart: Any = None) -> bool:
     """Page-lock ``mm`` in place until it is unmapped. Returns True on success; warns and
     returns False if not."""
     if not isinstance(mm, Mapping):
-        raise TypeError(f"register_host needs a shmloader.wire.shm.Mapping (unregistered before unmapping), not {type(mm).__name__}")
+        raise TypeError("register_host needs a shmloader.wire.shm.Mapping (unregistered before unmapping), "
+                        f"not {type(mm).__name__}")
     if cudart is None:
         import torch.cuda
 
@@ -101,11 +102,13 @@ def parse_device(device: Any, num_workers: int) -> torch.device | None:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device should be None, 'cpu', 'cuda', 'cuda:N' or a torch.device, but got device={device!r}") from exc
+        raise ValueError("device should be None, 'cpu', 'cuda', 'cuda:N' or a torch.device, "
+                         f"but got device={device!r}") from exc
     if dev.type == "cpu":
         return None
     if dev.type != "cuda":
-        raise ValueError(f"device={device!r}: shmloader delivers to CUDA devices only; use device=None and move batches yourself")
+        raise ValueError(f"device={device!r}: shmloader delivers to CUDA devices only; "
+                         "use device=None and move batches yourself")
     if not torch.cuda.is_available():
         raise RuntimeError(
             f"device={device!r} needs CUDA, but torch.cuda.is_available() is False "
@@ -144,7 +147,8 @@ class DeviceStager:
         def to_device(leaf: Any, kind: int) -> Any:
             if kind != Kind.TENSOR:
                 return leaf.copy()
-            out = leaf.to(self.device, non_blocking=True, copy=True)  # (a copy even to the same device: the slot is reused)
+            # (a copy even to the same device: the slot is reused)
+            out = leaf.to(self.device, non_blocking=True, copy=True)
             moved.append(out)
             return out
 

@@ -34,19 +34,19 @@ import torch.autograd.profiler as _profiler
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
 from shmloader import _checkpoint, _state_layout
+from shmloader._errors import CorruptSlotError, StopCarrier, WorkerReplacedWarning, raise_worker_error
+from shmloader._stats import Counters, RingOccupancy, occupancy
 from shmloader.main.delivery import Delivery
 from shmloader.main.dispatch import batches_of
-from shmloader._errors import CorruptSlotError, StopCarrier, WorkerReplacedWarning, raise_worker_error
-from shmloader.wire.layout import Field, Status
 from shmloader.main.lease import leaves_of, read_pickled, slot_of
 from shmloader.main.lifecycle import Lifecycle, live
 from shmloader.main.overflow import OverflowBroker
-from shmloader.worker.produce import has_state, worker_configs
-from shmloader.wire.ring import Ring
 from shmloader.main.resume import RingCheckpoint
 from shmloader.main.scheduler import Scheduler, Step
-from shmloader._stats import Counters, RingOccupancy, occupancy
 from shmloader.main.wait import COPY, READY, Waiter, interrupted
+from shmloader.wire.layout import Field, Status
+from shmloader.wire.ring import Ring
+from shmloader.worker.produce import has_state, worker_configs
 
 PARENT_CHECK_S = 0.5  # how often an idle worker checks that this process lives
 # Private answers of the iterator's steps, never a user's value (a batch may be None, 0, [] ...)

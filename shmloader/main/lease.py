@@ -24,9 +24,19 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from shmloader import _native
 from shmloader._errors import CorruptSlotError
-from shmloader.wire.layout import _NUMPY_MAX_NDIM, LONE_LEAF, NP_DTYPES, STORAGE, TYPED_STORAGE, VIEW, Field, Kind, Region, view_leaf
+from shmloader.wire.layout import (
+    _NUMPY_MAX_NDIM,
+    LONE_LEAF,
+    NP_DTYPES,
+    STORAGE,
+    TYPED_STORAGE,
+    VIEW,
+    Field,
+    Kind,
+    Region,
+    view_leaf,
+)
 from shmloader.wire.ring import Ring
-
 
 _TENSOR = int(Kind.TENSOR)
 _U8 = np.dtype(np.uint8)

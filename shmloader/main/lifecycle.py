@@ -21,19 +21,25 @@ from typing import Any, Callable, Generator, NamedTuple
 
 import torch
 
+from shmloader._errors import (
+    SharedMemoryWarning,
+    ShmLoaderError,
+    WorkerDiedError,
+    WorkerReplacedWarning,
+    raise_worker_error,
+    user_stacklevel,
+)
+from shmloader._stats import Counters, worker_busy
 from shmloader.main import device as _device
 from shmloader.main.budget import plan_ring
 from shmloader.main.delivery import Delivery
 from shmloader.main.dispatch import as_list, post
-from shmloader._errors import (SharedMemoryWarning, ShmLoaderError, WorkerDiedError, WorkerReplacedWarning,
-                               raise_worker_error, user_stacklevel)
-from shmloader.wire.layout import RESIZE_TASK, RingGeometry, Status
-from shmloader.wire.messages import Attached, Grown, NewRing, Probe, Probed
 from shmloader.main.overflow import OverflowBroker, RingShare
 from shmloader.main.pool import WorkerPool
-from shmloader.wire.ring import Doorbell, Ring
 from shmloader.main.scheduler import Scheduler
-from shmloader._stats import Counters, worker_busy
+from shmloader.wire.layout import RESIZE_TASK, RingGeometry, Status
+from shmloader.wire.messages import Attached, Grown, NewRing, Probe, Probed
+from shmloader.wire.ring import Doorbell, Ring
 from shmloader.worker.produce import WorkerConfig
 
 Steps = Generator[tuple[Any, ...], None, Any]
@@ -366,7 +372,8 @@ class Lifecycle:
                       "give the dataset state_dict() and load_state_dict() to make its workers replaceable")
         elif used >= max_restarts:
             reason = f"{used} of max_worker_restarts={max_restarts} restarts are used up"
-        memory = " If it ran out of memory, lower batch_size, num_workers or prefetch_factor" if pool.killed(wid) else ""
+        killed = pool.killed(wid)
+        memory = " If it ran out of memory, lower batch_size, num_workers or prefetch_factor" if killed else ""
         if reason is not None:
             hint = f"{memory}; to tolerate more deaths raise max_worker_restarts." if memory else ""
             raise WorkerDiedError(f"{pool.death(wid)}{doing}; {reason}.{hint}")

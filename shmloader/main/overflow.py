@@ -37,13 +37,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from shmloader.main import device as _device
 from shmloader._errors import MemoryBudgetError
-from shmloader.wire.layout import PAGE, grown_slot_bytes, round_up
+from shmloader.main import device as _device
 from shmloader.main.lease import Where
+from shmloader.main.scheduler import Scheduler, SlotState
+from shmloader.wire.layout import PAGE, grown_slot_bytes, round_up
 from shmloader.wire.ring import Ring
 from shmloader.wire.shm import Mapping, create_memfd
-from shmloader.main.scheduler import Scheduler, SlotState
 
 
 class LoaderMemory:

@@ -17,8 +17,8 @@ from shmloader._errors import ShmLoaderError, WorkerDiedError
 from shmloader.wire.layout import STOP_TASK
 from shmloader.wire.messages import Memory, Stop
 from shmloader.wire.ring import Ring
-from shmloader.worker.produce import WorkerConfig
 from shmloader.worker.loop import InheritedFd, worker_main, worker_replacement
+from shmloader.worker.produce import WorkerConfig
 
 JOIN_GRACE_S = 0.5  # a worker stuck in user code is terminated after this
 DEATH_GRACE_S = 5.0  # a worker whose connection broke has this long to exit before it is an error
@@ -92,7 +92,8 @@ class WorkerPool:
         self.conns[wid].close()
         self.procs[wid], self.conns[wid] = self._start(self.configs[wid], doorbell)
 
-    def replace(self, wid: int, ring: Ring, doorbell: int, dataset_state: tuple[bytes, int, bool] | None = None) -> None:
+    def replace(self, wid: int, ring: Ring, doorbell: int,
+                dataset_state: tuple[bytes, int, bool] | None = None) -> None:
         """Start a new worker ``wid`` (same start method) that maps the ring through its fd, with
         a new connection (closing the old one drops whatever the dead worker had queued on it).
         ``dataset_state``: the worker snapshot it resumes from, its epoch, and whether it was taken in

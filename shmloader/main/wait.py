@@ -23,11 +23,11 @@ import time
 from multiprocessing import connection as mp_connection
 from typing import Any, Callable
 
+from shmloader._stats import Counters
 from shmloader.main.delivery import Delivery
 from shmloader.main.lifecycle import Lifecycle
-from shmloader.wire.ring import YieldWait
 from shmloader.main.scheduler import Scheduler
-from shmloader._stats import Counters
+from shmloader.wire.ring import YieldWait
 
 READY = ("ready",)
 COPY = ("copy",)

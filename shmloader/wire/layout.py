@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from shmloader import _native
+
 PAGE: Final = mmap.PAGESIZE
 SEM_STRIDE: Final = _native.SEM_STRIDE  # bytes a process-shared semaphore takes (native/_sync.c)
 HEADER_BYTES: Final = PAGE

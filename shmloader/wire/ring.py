@@ -19,9 +19,8 @@ from typing import Any
 import numpy as np
 
 from shmloader import _native
-
 from shmloader.wire import shm as _shm
-from shmloader.wire.layout import DONE, N_COUNTERS, N_FIELDS, RingGeometry, Field
+from shmloader.wire.layout import DONE, N_COUNTERS, N_FIELDS, Field, RingGeometry
 
 # What _native.post_task (and the scheduler's post_index) returns.
 POSTED, DOES_NOT_FIT, NOT_INTS = 1, 0, -1

@@ -29,8 +29,20 @@ from torch.utils.data._utils import collate as torch_collate
 
 from shmloader import _native
 from shmloader._accel import STACK_INTO
-from shmloader.wire.layout import (CODE_OF_DTYPE, CODE_OF_NP_DTYPE, LEAF_ALIGN, LONE_LEAF, STORAGE, TORCH_ONLY_CODES,
-                      TYPED_STORAGE, VIEW, Kind, round_up, table_bytes, view_leaf)
+from shmloader.wire.layout import (
+    CODE_OF_DTYPE,
+    CODE_OF_NP_DTYPE,
+    LEAF_ALIGN,
+    LONE_LEAF,
+    STORAGE,
+    TORCH_ONLY_CODES,
+    TYPED_STORAGE,
+    VIEW,
+    Kind,
+    round_up,
+    table_bytes,
+    view_leaf,
+)
 
 Leaf = tuple[int, int, int, tuple[int, ...]]  # (dtype code, kind, offset, shape)
 # A tensor viewing a leaf's storage: (VIEW, leaf, dtype name, storage offset, size, stride, number);
@@ -124,7 +136,8 @@ class SlotWriter:
         if isinstance(obj, torch.Tensor):
             if (
                 type(obj) is not torch.Tensor
-                or obj.is_nested  # (strided layout, but no sizes): pickled as torch pickles it, its buffer a storage leaf
+                # (nested: strided layout, but no sizes: pickled as torch pickles it, its buffer a storage leaf)
+                or obj.is_nested
                 or obj.layout is not torch.strided
                 or obj.device.type != "cpu"
                 or obj.requires_grad

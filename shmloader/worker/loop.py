@@ -33,12 +33,12 @@ from typing import Any
 import numpy as np
 from torch._utils import ExceptionWrapper
 
-from shmloader.worker.collate import SlotWriter, slot_collate_map
 from shmloader._errors import ShmLoaderError, fit_error, picklable
 from shmloader.wire.layout import RESIZE_TASK, Counter, Region, RingGeometry, Status, round_up
-from shmloader.worker.produce import Outcome, Producer, WorkerConfig, init, wrap
 from shmloader.wire.messages import Attached, Grown, Index, Memory, NewRing, Probe, Probed, Stop
 from shmloader.wire.ring import AttachedRing
+from shmloader.worker.collate import SlotWriter, slot_collate_map
+from shmloader.worker.produce import Outcome, Producer, WorkerConfig, init, wrap
 
 _ONE = struct.pack("=Q", 1)
 _OK, _NEED_MEMORY = Status.OK, Status.NEED_MEMORY  # (a global costs less than an enum member lookup, per batch)
@@ -324,7 +324,8 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
             except Exception:  # the first batch could be measured but not written: its error
                 outcome = Outcome(Status.ERROR, error=wrap(where=f"in DataLoader worker process {cfg.worker_id}"))
                 batch = None
-        if not _deliver(ring, pending_slot, cfg, writer, outcome, batch, dataset_state, epoch, seq, mailbox, doorbell, False):
+        if not _deliver(ring, pending_slot, cfg, writer, outcome, batch, dataset_state, epoch, seq, mailbox, doorbell,
+                        False):
             return
     # The probe's private copy of the first batch (the writer keeps its leaves too): not for
     # the worker's whole life.

@@ -25,8 +25,8 @@ from torch.utils.data._utils import collate as torch_collate
 from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data.dataloader import _DatasetKind
 
-from shmloader.worker.collate import SlotWriter
 from shmloader.wire.layout import Status
+from shmloader.worker.collate import SlotWriter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +211,8 @@ class Producer:
                     return _ok(writer.dataset_state_off), batch
             if self.fused:
                 # Samples that are plain tensors: the map's tensor entry, as collate() would call it
-                stack = fn_map.get(torch.Tensor) if type(samples) is list and samples and type(samples[0]) is torch.Tensor else None
+                plain = type(samples) is list and samples and type(samples[0]) is torch.Tensor
+                stack = fn_map.get(torch.Tensor) if plain else None
                 if stack is not None:
                     batch = stack(samples, collate_fn_map=fn_map)
                 else:

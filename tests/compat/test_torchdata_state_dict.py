@@ -316,10 +316,10 @@ def test_json_serde__iterable(SDL: Any, num_workers: int) -> None:
     it = iter(dl)
     for _ in range(4):
         next(it)
-    ser = json.dumps(dl.state_dict())
+    saved = json.dumps(dl.state_dict())
     exp = list(it)
     dl = SDL(dataset=dataset, num_workers=num_workers, collate_fn=identity)
-    dl.load_state_dict(json.loads(ser))
+    dl.load_state_dict(json.loads(saved))
     assert exp == list(iter(dl))
 
 
@@ -332,10 +332,10 @@ def test_json_serde__map(SDL: Any, num_workers: int) -> None:
     it = iter(dl)
     for _ in range(4):
         next(it)
-    ser = json.dumps(dl.state_dict())
+    saved = json.dumps(dl.state_dict())
     exp = list(it)
     dl = SDL(dataset=dataset, sampler=sampler, num_workers=num_workers, collate_fn=identity)
-    dl.load_state_dict(json.loads(ser))
+    dl.load_state_dict(json.loads(saved))
     assert exp == list(iter(dl))
 
 

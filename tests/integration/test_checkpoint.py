@@ -105,7 +105,7 @@ def test_the_programs_own_draws_continue_after_a_resume(workers: int, persistent
     if k:
         train(first, k, got)
     else:
-        it = iter(first)  # an epoch started, nothing taken yet
+        it = iter(first)  # noqa: F841 (kept: an epoch started, nothing taken yet)
     state, program_rng = first.state_dict(), torch.get_rng_state()
     close(first)
     torch.manual_seed(1234)

@@ -7,24 +7,36 @@ import asyncio
 import gc
 import multiprocessing
 import os
+import signal
 import sys
 from typing import Any
-import signal
 
 import pytest
 import torch
 
 import shmloader
 from shmloader import _native
-from shmloader.main import iterator as _consume
 from shmloader.main import delivery as _delivery
-from shmloader.wire import ring as _ring
 from shmloader.main import wait as _wait
-from shmloader.wire.layout import DONE
 from shmloader.main.lease import slot_of
 from shmloader.main.scheduler import SlotState
+from shmloader.wire import ring as _ring
+from shmloader.wire.layout import DONE
 from tests.conftest import same
-from tests.datasets import Blocks, Failing, Gated, IndexPid, Pid, Range, Rich, Shards, Sized, Tokens, check_blocks, pad_collate
+from tests.datasets import (
+    Blocks,
+    Failing,
+    Gated,
+    IndexPid,
+    Pid,
+    Range,
+    Rich,
+    Shards,
+    Sized,
+    Tokens,
+    check_blocks,
+    pad_collate,
+)
 
 
 def test_batches_are_views_of_the_ring_and_return_when_dropped() -> None:

@@ -18,7 +18,6 @@ import shmloader
 from shmloader.main import delivery as _delivery
 from tests.conftest import same
 from tests.datasets import Blocks, Sized, check_blocks
-from tests.integration.test_overflow import mapped_by_us
 
 
 @pytest.fixture(autouse=True)

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from torch.utils.data import Dataset, IterableDataset
 
 import shmloader
-from tests.fakes import FakeStream, fake_device
 from tests.conftest import examples
+from tests.fakes import FakeStream, fake_device
 
 PLANS = {
     "first": [None, 1, 2, 3, 4],

@@ -20,12 +20,12 @@ from torch.utils.data import Dataset
 
 import shmloader
 from shmloader import _native
+from shmloader._errors import ShmLoaderError
 from shmloader.main import iterator as _consume
 from shmloader.main import lifecycle as _lifecycle
 from shmloader.main import pool as _pool
-from shmloader.wire import ring as _ring
 from shmloader.main import wait as _wait
-from shmloader._errors import ShmLoaderError
+from shmloader.wire import ring as _ring
 from shmloader.wire.layout import DONE, Field
 from shmloader.wire.messages import Attached
 from tests.conftest import same

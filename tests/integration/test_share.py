@@ -25,6 +25,7 @@ from torch.utils.data import Dataset
 import shmloader
 from tests.conftest import examples
 
+
 class Color(enum.IntEnum):  # an int subclass: marshal would read it back as an int
     RED = 1
     BLUE = 2

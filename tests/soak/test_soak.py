@@ -17,14 +17,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.utils.data import Dataset
 
 import shmloader
 from shmloader import _native
-from shmloader.wire.layout import Field, LONE_LEAF, RingGeometry
-from shmloader.worker.collate import SlotWriter
 from shmloader.main.lease import read_batch
+from shmloader.wire.layout import LONE_LEAF, Field, RingGeometry
 from shmloader.wire.ring import _Views
-from torch.utils.data import Dataset
+from shmloader.worker.collate import SlotWriter
 
 pytestmark = [pytest.mark.soak, pytest.mark.timeout(1800)]
 

@@ -11,10 +11,10 @@ import torch
 from torch.utils.data import default_collate, default_convert
 
 from shmloader import _native
-from shmloader.worker.collate import SlotWriter, slot_collate_map
-from shmloader.wire.layout import Field, RingGeometry, grown_slot_bytes, slot_data_bytes
 from shmloader.main.lease import copy_leaf, read_batch
+from shmloader.wire.layout import Field, RingGeometry, grown_slot_bytes, slot_data_bytes
 from shmloader.wire.ring import _Views
+from shmloader.worker.collate import SlotWriter, slot_collate_map
 from tests.conftest import same
 from tests.datasets import Custom, Rich
 

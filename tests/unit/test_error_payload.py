@@ -10,9 +10,9 @@ import pickle
 import pytest
 from torch._utils import ExceptionWrapper
 
+from shmloader._errors import fit_error
 from shmloader.wire.layout import RingGeometry
 from shmloader.wire.ring import _Views
-from shmloader._errors import fit_error
 from shmloader.worker.loop import _write_error
 
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from shmloader import CorruptSlotError
-from shmloader.worker.collate import SlotWriter
-from shmloader.wire.layout import Field, RingGeometry
 from shmloader.main.lease import read_batch
+from shmloader.wire.layout import Field, RingGeometry
 from shmloader.wire.ring import _Views
+from shmloader.worker.collate import SlotWriter
 
 GEOMETRY = RingGeometry(num_workers=1, num_slots=1, data_bytes=1 << 16)
 

@@ -15,11 +15,10 @@ import pytest
 import torch
 
 from shmloader import CorruptSlotError, _native
-
-from shmloader.worker.collate import SlotWriter
-from shmloader.wire.layout import Field, Region, RingGeometry
 from shmloader.main.lease import lone_args, read_batch
+from shmloader.wire.layout import Field, Region, RingGeometry
 from shmloader.wire.ring import _Views
+from shmloader.worker.collate import SlotWriter
 
 GEOMETRY = RingGeometry(num_workers=1, num_slots=3, data_bytes=1 << 19)
 MOST_LENT = 2  # Delivery.most_lent() of this ring: one slot left to its one worker

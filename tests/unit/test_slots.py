@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from shmloader.main.scheduler import Scheduler, SlotState
-from tests.slot_model import ModelTable, same
 from tests.conftest import examples
+from tests.slot_model import ModelTable, same
 
 SLOTS, WORKERS = 5, 2
 

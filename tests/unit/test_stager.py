@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from shmloader.main import device as _device
-from shmloader.worker.collate import SlotWriter
 from shmloader.wire.layout import Field, RingGeometry
 from shmloader.wire.ring import _Views
+from shmloader.worker.collate import SlotWriter
 from tests.fakes import FakeEvent, FakeStream
 
 

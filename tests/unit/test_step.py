@@ -14,9 +14,9 @@ from typing import Any, Iterator
 import pytest
 
 from shmloader import _native
+from shmloader.main.scheduler import Scheduler, SlotState, Step
 from shmloader.wire.layout import DONE, Field, Region, RingGeometry, Status
 from shmloader.wire.ring import Ring
-from shmloader.main.scheduler import Scheduler, SlotState, Step
 from tests.slot_model import ModelTable, same
 
 WORKERS, DATA = 3, 4096  # a slot's data holds 512 int64 values

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from shmloader import _native
+
+
 def test_semaphore_counts_times_out_and_wakes_a_waiter() -> None:
     mm = mmap.mmap(-1, 4096)
     _native.sem_init(mm, 64)

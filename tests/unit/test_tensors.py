@@ -23,14 +23,12 @@ import torch
 from torch.utils.data import default_collate
 
 from shmloader import _accel, _native
-
-from shmloader.worker import collate as _collate
-
 from shmloader.main import lease as _lease
-from shmloader.worker.collate import SlotWriter, slot_collate_map
 from shmloader.wire.layout import CODE_OF_DTYPE, Kind
-from tests.unit.test_device import mapped
+from shmloader.worker import collate as _collate
+from shmloader.worker.collate import SlotWriter, slot_collate_map
 from tests.conftest import same
+from tests.unit.test_device import mapped
 
 stack_into = _native.stack_into
 SENTINEL = 0x5A  # out's bytes before a refused call: a refusal writes none
@@ -125,7 +123,6 @@ def test_python_code_run_while_a_large_batch_s_storages_are_taken_cannot_make_it
     class Shrinking(list):  # (a list subclass is refused outright; a gc callback is what could run)
         pass
 
-    import gc
 
     def meddle(phase: str, info: dict[str, Any]) -> None:
         if phase == "start" and samples:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import mmap
 
 from shmloader import _native
-from shmloader.wire.ring import YieldWait
-from shmloader.main.scheduler import Scheduler
 from shmloader._stats import Counters
+from shmloader.main.scheduler import Scheduler
 from shmloader.main.wait import READY, Waiter
+from shmloader.wire.ring import YieldWait
 
 SEM = 64  # the ready semaphore's offset in the test's buffer
 
