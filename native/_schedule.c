@@ -1011,7 +1011,59 @@ static PyObject *m_reclaim(Scheduler *t, PyObject *bases) {
     Py_RETURN_NONE;
 }
 
+/* --------------------------------------------------- named operations
+   The only writes to the scheduler's cursors from outside it: each says what happened. */
+PyDoc_STRVAR(bank_token_doc, "bank_token($self, /)\n--\n\n"
+"A ready-semaphore token taken outside the step (a wait that ran out, a yield, a torn slot\n"
+"left for its next publication): banked, so the next step looks for DONE slots once more.");
+
+static PyObject *m_bank_token(Scheduler *t, PyObject *unused) {
+    t->banked++;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(skip_result_doc, "skip_result($self, seq, /)\n--\n\n"
+"Result `seq` was taken outside the step (the first batch's probe, which ended its shard or\n"
+"failed): results go on with seq + 1.");
+
+static PyObject *m_skip_result(Scheduler *t, PyObject *arg) {
+    long long seq = PyLong_AsLongLong(arg);
+    if (seq == -1 && PyErr_Occurred()) return NULL;
+    if (seq < t->rcvd_seq) {
+        PyErr_Format(PyExc_ValueError, "skip_result(%lld): results are already past it (%lld)", seq,
+                     (long long)t->rcvd_seq);
+        return NULL;
+    }
+    t->rcvd_seq = seq + 1;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(set_own_doc, "set_own($self, own, /)\n--\n\n"
+"Whether tasks posted from now on go into memory of their own, not their slot (the user holds\n"
+"the ring), or into slots again.");
+
+static PyObject *m_set_own(Scheduler *t, PyObject *arg) {
+    int own = PyObject_IsTrue(arg);
+    if (own < 0) return NULL;
+    t->own = own;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(start_round_robin_at_doc, "start_round_robin_at($self, worker, /)\n--\n\n"
+"The round robin's next worker (a resumed epoch goes on after the last worker that delivered).");
+
+static PyObject *m_start_round_robin_at(Scheduler *t, PyObject *arg) {
+    Py_ssize_t w;
+    if (worker_arg(t, arg, &w) < 0) return NULL;
+    t->rr = w;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef scheduler_methods[] = {
+    {"bank_token", (PyCFunction)m_bank_token, METH_NOARGS, bank_token_doc},
+    {"skip_result", (PyCFunction)m_skip_result, METH_O, skip_result_doc},
+    {"set_own", (PyCFunction)m_set_own, METH_O, set_own_doc},
+    {"start_round_robin_at", (PyCFunction)m_start_round_robin_at, METH_O, start_round_robin_at_doc},
     {"step", (PyCFunction)(void (*)(void))step, METH_FASTCALL, step_doc},
     {"reclaim", (PyCFunction)m_reclaim, METH_O, reclaim_doc},
     {"dispatch", (PyCFunction)(void (*)(void))m_dispatch, METH_FASTCALL, dispatch_doc},
@@ -1050,21 +1102,6 @@ static PyMethodDef scheduler_methods[] = {
 /* ----------------------------------------------------------- attributes */
 #define GET_I64(name, expr)                                                              \
     static PyObject *get_##name(Scheduler *t, void *c) { return PyLong_FromLongLong((long long)(expr)); }
-#define SET_I64(name, field, min)                                                                \
-    static int set_##name(Scheduler *t, PyObject *v, void *c) {                                  \
-        if (v == NULL) {                                                                         \
-            PyErr_SetString(PyExc_AttributeError, "cannot delete " #name);                       \
-            return -1;                                                                           \
-        }                                                                                        \
-        long long x = PyLong_AsLongLong(v);                                                      \
-        if (x == -1 && PyErr_Occurred()) return -1;                                              \
-        if (x < (min)) {                                                                         \
-            PyErr_Format(PyExc_ValueError, #name " must be at least %lld, not %lld", (long long)(min), x); \
-            return -1;                                                                           \
-        }                                                                                        \
-        t->field = x;                                                                            \
-        return 0;                                                                                \
-    }
 
 GET_I64(num_slots, t->n_slots)
 GET_I64(num_workers, t->n_workers)
@@ -1080,35 +1117,10 @@ GET_I64(rr, t->rr)
 GET_I64(send_seq, t->send_seq)
 GET_I64(rcvd_seq, t->rcvd_seq)
 GET_I64(banked, t->banked)
-SET_I64(send_seq, send_seq, 0)
-SET_I64(rcvd_seq, rcvd_seq, 0)
-SET_I64(banked, banked, 0)
-
-static int set_rr(Scheduler *t, PyObject *v, void *c) {
-    Py_ssize_t w;
-    if (v == NULL || worker_arg(t, v, &w) < 0) {
-        if (v == NULL) PyErr_SetString(PyExc_AttributeError, "cannot delete rr");
-        return -1;
-    }
-    t->rr = w;
-    return 0;
-}
 
 static PyObject *get_in_order(Scheduler *t, void *c) { return PyBool_FromLong(t->in_order); }
 static PyObject *get_own(Scheduler *t, void *c) { return PyBool_FromLong(t->own); }
 
-/* A boolean attribute's setter: `v`'s truth into *flag; deleting it is refused. */
-static int set_flag(int *flag, PyObject *v, const char *name) {
-    int b = v == NULL ? -1 : PyObject_IsTrue(v);
-    if (b < 0) {
-        if (v == NULL) PyErr_Format(PyExc_AttributeError, "cannot delete %s", name);
-        return -1;
-    }
-    *flag = b;
-    return 0;
-}
-
-static int set_own(Scheduler *t, PyObject *v, void *c) { return set_flag(&t->own, v, "own"); }
 static PyObject *get_exhausted(Scheduler *t, void *c) { return PyBool_FromLong(t->exhausted); }
 static PyObject *get_has_unposted(Scheduler *t, void *c) { return PyBool_FromLong(PyList_GET_SIZE(t->unposted) > 0); }
 
@@ -1151,16 +1163,17 @@ static PyGetSetDef scheduler_getset[] = {
     {"load", (getter)get_load, NULL, "IN_FLIGHT and WAITING tasks per worker", NULL},
     {"tails", (getter)get_tails, NULL, "entries queued per worker on the attached ring (written here alone)", NULL},
     {"active", (getter)get_active, NULL, "workers that take tasks (an ended shard's do not): changed by end_shard", NULL},
-    {"rr", (getter)get_rr, (setter)set_rr, "the worker the round robin looks at next", NULL},
-    {"send_seq", (getter)get_send_seq, (setter)set_send_seq, "the sequence number of the next task", NULL},
-    {"rcvd_seq", (getter)get_rcvd_seq, (setter)set_rcvd_seq, "the sequence number of the next result in order", NULL},
-    {"banked", (getter)get_banked, (setter)set_banked, "ready-semaphore tokens taken, not yet matched with a DONE slot", NULL},
+    {"rr", (getter)get_rr, NULL, "the worker the round robin looks at next (start_round_robin_at)", NULL},
+    {"send_seq", (getter)get_send_seq, NULL, "the sequence number of the next task", NULL},
+    {"rcvd_seq", (getter)get_rcvd_seq, NULL, "the sequence number of the next result in order (skip_result)", NULL},
+    {"banked", (getter)get_banked, NULL, "ready-semaphore tokens taken, not yet matched with a DONE slot (bank_token)",
+     NULL},
     {"exhausted", (getter)get_exhausted, NULL,
      "the epoch has no more tasks: the sampler is exhausted, or every worker's shard ended", NULL},
     {"event", (getter)get_event, NULL, "the slot of the last step's event", NULL},
     {"has_unposted", (getter)get_has_unposted, NULL, "whether take_unposted has slots to give", NULL},
-    {"own", (getter)get_own, (setter)set_own,
-     "tasks posted from now on go into memory of their own, not their slot (the user holds the ring)", NULL},
+    {"own", (getter)get_own, NULL,
+     "tasks posted from now on go into memory of their own, not their slot (the user holds the ring): set_own", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

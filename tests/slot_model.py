@@ -31,6 +31,17 @@ class ModelTable:
         self.unposted: list[int] = []
         self.tails = [0] * num_workers  # entries queued per worker on the ring (attached: all 0)
 
+    def bank_token(self) -> None:
+        self.banked += 1
+
+    def skip_result(self, seq: int) -> None:
+        assert seq >= self.rcvd_seq
+        self.rcvd_seq = seq + 1
+
+    def start_round_robin_at(self, worker: int) -> None:
+        assert 0 <= worker < self.num_workers
+        self.rr = worker
+
     @property
     def waiting_count(self) -> int:
         return self.state.count(WAITING)

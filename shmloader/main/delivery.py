@@ -170,7 +170,7 @@ class Delivery:
             self.broker.take(slot, base)
             self.counters.overflow_batches += 1
             if self.sched.own and self.leases.holding() < self.most_lent() - 1:
-                self.sched.own = False  # the user let go of the ring: batches go into slots again
+                self.sched.set_own(False)  # the user let go of the ring: batches go into slots again
         else:
             # Never lend a worker's last slot: a caller that keeps every batch (list(loader), a
             # replay buffer) would leave the workers nowhere to write, or one slot to take
@@ -192,7 +192,7 @@ class Delivery:
                 del base
                 self.sched.give_back(slot)
                 if nbytes >= COPY_HELD_UNDER and self.broker.room_beside(ring, nbytes):
-                    self.sched.own = True  # (under a memory_budget with no room for that, they stay copies)
+                    self.sched.set_own(True)  # (under a memory_budget with no room for that, they stay copies)
             else:
                 leases.lend(slot, base)
         self.counters.batches += 1
@@ -207,7 +207,7 @@ class Delivery:
         assert task is not None
         payload = pool.recv(task.worker, raw=True)
         if payload is None:
-            self.sched.banked += 1  # (the token stays: the slot's next publication is its)
+            self.sched.bank_token()  # (the token stays: the slot's next publication is its)
         elif self.sched.done(slot):
             self.piped[slot] = payload
 

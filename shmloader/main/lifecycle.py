@@ -183,9 +183,9 @@ class Lifecycle:
             status, needed, error = yield from self._probe(wid, seq, index, check)
             if status == Status.STOP:
                 sched.end_shard(wid)
-                sched.rcvd_seq = seq + 1  # only exhausted shards came before
+                sched.skip_result(seq)  # only exhausted shards came before
             elif status == Status.ERROR or status == Status.INIT_ERROR:  # the first batch's error (its own,
-                sched.rcvd_seq = seq + 1                                 # or its worker's worker_init_fn's):
+                sched.skip_result(seq)                                   # or its worker's worker_init_fn's):
                 batch_failed()                                           # raised; the next one is probed
                 raise_worker_error(error)
             else:
@@ -394,7 +394,7 @@ class Lifecycle:
         # DONE for another worker's token leaves that worker's slot with no token to come. One
         # more banked token makes the step look again; a surplus one only makes it look once
         # more later (a token means "look for DONE slots", never "this slot is done").
-        sched.banked += 1
+        sched.bank_token()
         orphans = sched.orphaned(wid)
         for slot, _ in orphans:
             self.broker.drop(slot)

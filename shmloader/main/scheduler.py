@@ -74,7 +74,7 @@ class Scheduler(_native.Scheduler):
             if not going_on:
                 self.end_shard(worker)
         if last_worker is not None:
-            self.rr = (last_worker + 1) % self.num_workers
+            self.start_round_robin_at((last_worker + 1) % self.num_workers)
 
     def orphaned(self, worker: int) -> list[tuple[int, Task]]:
         """``orphans(worker)``: every slot of a dead worker FREE again, with its task."""

@@ -63,11 +63,11 @@ class Waiter:
             ring = self.life.ring
             assert ring is not None
             if self.yields(ring.mm, ring.ready_sem):
-                self.sched.banked += 1
+                self.sched.bank_token()
                 return
             check()  # only before sleeping: a batch that came while yielding needs no waitpid
             if ring.take_ready(self.sleep_s(deadline)):  # a signal's handler (Ctrl-C) raises through it
-                self.sched.banked += 1
+                self.sched.bank_token()
             return
         pool = self.life.pool
         mp_connection.wait([pool.conns[w] for w in request[1]] + pool.sentinels, self.sleep_s(deadline))
@@ -102,7 +102,7 @@ class Waiter:
             life.doorbell.drain()  # before the last look, so a post after the look still wakes us
             if ring.take_ready(0):
                 ring.want_doorbell(False)
-                self.sched.banked += 1
+                self.sched.bank_token()
                 return
             fds = [life.doorbell.fd]
         else:

@@ -127,6 +127,19 @@ def test_async_for_cancelled_while_the_ring_grows_goes_on_on_the_new_ring(monkey
         await wait(self, request, *args)
 
     monkeypatch.setattr(_wait.Waiter, "wait", cancel_once)
+    # Each worker's first look after the ring grew finds no answer yet, however fast it came: the
+    # step then waits for the workers to attach (a busy machine could otherwise find every answer in)
+    from multiprocessing.connection import Connection
+
+    poll, looked = Connection.poll, set()
+
+    def first_look_misses(self: Any, *args: Any) -> bool:
+        if len(made) == 2 and id(self) not in looked:
+            looked.add(id(self))
+            return False
+        return poll(self, *args)
+
+    monkeypatch.setattr(Connection, "poll", first_look_misses)
 
     async def epoch() -> list[Any]:
         epoch_it = loader.__aiter__()

@@ -29,7 +29,7 @@ class Poster:
                   own: bool = False) -> int:
         assert epoch == self.sched.epoch
         self.sched.redispatch(slot, worker, seq, index)  # (the table's task: seq and worker)
-        self.sched.own = own
+        self.sched.set_own(own)
         try:
             return self.sched.post_index(slot, index, pickled)
         finally:

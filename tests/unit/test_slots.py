@@ -142,7 +142,10 @@ def test_a_stale_request_for_memory_frees_its_slot() -> None:
 
 def test_resize_keeps_the_cursors_and_refuses_tasks() -> None:
     table = Scheduler(3, 2, 4, epoch=5)
-    table.send_seq, table.rcvd_seq, table.banked, table.rr = 7, 3, 2, 1
+    table.skip_result(2)  # (the cursors moved through their named operations only)
+    table.bank_token()
+    table.bank_token()
+    table.start_round_robin_at(1)
     table.end_shard(0)
     slot = table.dispatch(1, 7, [7])
     with pytest.raises(AssertionError, match="1 slots still have tasks"):
@@ -152,7 +155,22 @@ def test_resize_keeps_the_cursors_and_refuses_tasks() -> None:
     table.resize(9)
     table.check()
     assert (table.num_slots, table.n_free, table.epoch, table.send_seq, table.rcvd_seq, table.banked, table.rr,
-            tuple(table.active), table.cap) == (9, 9, 5, 7, 3, 2, 1, (False, True), 4)
+            tuple(table.active), table.cap) == (9, 9, 5, 0, 3, 2, 1, (False, True), 4)
+
+
+def test_the_cursors_are_read_only_from_outside_and_move_through_named_operations() -> None:
+    table = Scheduler(3, 2, 4)
+    for name in ("rr", "send_seq", "rcvd_seq", "banked", "own"):
+        with pytest.raises(AttributeError):
+            setattr(table, name, 1)
+    table.set_own(True)
+    assert table.own is True
+    table.skip_result(0)
+    assert table.rcvd_seq == 1
+    with pytest.raises(ValueError, match=r"skip_result\(0\): results are already past it \(1\)"):
+        table.skip_result(0)
+    with pytest.raises(IndexError, match="worker 2 is not one of the 2 workers"):
+        table.start_round_robin_at(2)
 
 
 @pytest.mark.parametrize("table", [lambda: Scheduler(9, 4, 8, in_order=False), lambda: ModelTable(9, 4, 8, in_order=False)],

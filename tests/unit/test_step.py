@@ -148,8 +148,8 @@ def test_step_is_the_models_sequence_of_transitions(seed: int, in_order: bool) -
                 assert native.done(want_event) == model.done(want_event)
             elif got == Step.TORN:
                 plain(rings, want_event, model)
-                native.banked += 1  # (its token: not taken)
-                model.banked += 1
+                native.bank_token()  # (its token: not taken)
+                model.bank_token()
             elif got == Step.RESULT:
                 native.give_back(want_event)
                 model.give_back(want_event)
