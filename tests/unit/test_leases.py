@@ -25,14 +25,15 @@ class Consumer(Leases):
     def __init__(self, slots: int = 64) -> None:
         super().__init__()
         self.sched = Scheduler(slots, 1)
+        self.seq = 0  # the next batch's sequence number
 
     def lend(self, slot: int, base: np.ndarray) -> None:
         sched = self.sched
         assert sched.free_slots()[-1] == slot, "lend the slot the scheduler dispatches next"
-        sched.dispatch(0, sched.send_seq, [slot])
+        sched.dispatch(0, self.seq, [slot])
         sched.done(slot)
-        sched.take(sched.send_seq)
-        sched.send_seq += 1
+        sched.take(self.seq)
+        self.seq += 1
         super().lend(slot, base)
 
     def take_returned(self) -> list[int]:
