@@ -47,6 +47,27 @@ def as_list(index: Any) -> Any:
     return list(index) if type(index) is range else index
 
 
+def index_text(index: Any, width: int = 200) -> str:
+    """A batch's index for a message, at most ``width`` characters: whole when it fits, else
+    the items that fit and how many are left out (a list cut mid-item says neither)."""
+    text = repr(index)
+    if len(text) <= width:
+        return text
+    if isinstance(index, (list, tuple)) and index:
+        shown: list[str] = []
+        for item in index:
+            rest = len(index) - len(shown) - 1
+            if len("[" + ", ".join([*shown, repr(item)]) + f", ... and {rest:,} more: {len(index):,} in all]") > width:
+                break
+            shown.append(repr(item))
+        if shown:
+            return "[" + ", ".join(shown) + f", ... and {len(index) - len(shown):,} more: {len(index):,} in all]"
+        tail = f" ... ({len(index):,} items, {len(text):,} characters)"
+    else:
+        tail = f" ... ({len(text):,} characters)"
+    return text[: width - len(tail)] + tail
+
+
 def post(sched: Scheduler, ring: Ring, send: Callable[[int, tuple[Any, ...]], object], slot: int) -> int:
     """Post IN_FLIGHT ``slot``'s task (its worker, epoch, seq and index from ``sched``) the way its
     index fits: a list of ints as int64 values (one native call: what ``Scheduler.step`` posts

@@ -33,7 +33,7 @@ from shmloader._stats import Counters, worker_busy
 from shmloader.main import device as _device
 from shmloader.main.budget import plan_ring
 from shmloader.main.delivery import Delivery
-from shmloader.main.dispatch import as_list, post
+from shmloader.main.dispatch import as_list, index_text, post
 from shmloader.main.overflow import OverflowBroker, RingShare
 from shmloader.main.pool import WorkerPool
 from shmloader.main.scheduler import Scheduler
@@ -46,27 +46,6 @@ Steps = Generator[tuple[Any, ...], None, Any]
 
 
 _said_elsewhere: set[str] = set()  # the kinds of cause (figures left out) rings went to a memfd for
-
-
-def index_text(index: Any, width: int = 200) -> str:
-    """A batch's index for a message, at most ``width`` characters: whole when it fits, else
-    the items that fit and how many are left out (a list cut mid-item says neither)."""
-    text = repr(index)
-    if len(text) <= width:
-        return text
-    if isinstance(index, (list, tuple)) and index:
-        shown: list[str] = []
-        for item in index:
-            rest = len(index) - len(shown) - 1
-            if len("[" + ", ".join([*shown, repr(item)]) + f", ... and {rest:,} more: {len(index):,} in all]") > width:
-                break
-            shown.append(repr(item))
-        if shown:
-            return "[" + ", ".join(shown) + f", ... and {len(index) - len(shown):,} more: {len(index):,} in all]"
-        tail = f" ... ({len(index):,} items, {len(text):,} characters)"
-    else:
-        tail = f" ... ({len(text):,} characters)"
-    return text[: width - len(tail)] + tail
 
 
 def said_where(ring: Ring) -> None:

@@ -164,7 +164,7 @@ def test_a_worker_killed_mid_epoch_is_replaced_said_once_and_counted_and_the_epo
 
 
 def test_a_death_past_the_restarts_names_its_batch_s_index_whole_or_how_much_is_left_out() -> None:
-    from shmloader.main.lifecycle import index_text
+    from shmloader.main.dispatch import index_text
 
     assert index_text([3, 4, 5]) == "[3, 4, 5]"
     long = list(range(100_000, 100_100))
