@@ -6,7 +6,7 @@ import os
 import pickle
 import sys
 from types import FrameType
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 from torch._utils import ExceptionWrapper
 
@@ -73,12 +73,13 @@ class StopCarrier(RuntimeError):
         self.stop = stop
 
 
-def raise_worker_error(error: ExceptionWrapper) -> NoReturn:
+def raise_worker_error(error: ExceptionWrapper, goes_on: Callable[[BaseException], None] | None = None) -> NoReturn:
     """``error.reraise()`` (a worker's ``ExceptionWrapper``) without the reference cycle it
     makes: its finished frame keeps the exception it raised, whose traceback keeps that frame
     and the caller's, so the iterator that raised it (its workers, its ring) would live until
     the garbage collector's next pass, however soon the caller dropped the exception; and
-    collected in a cycle, finalizers run in any order."""
+    collected in a cycle, finalizers run in any order. ``goes_on`` is told the exception about
+    to be raised when it leaves the loader running (one batch's error)."""
     try:
         error.reraise()  # type: ignore[no-untyped-call]
     except BaseException as exc:
@@ -92,7 +93,12 @@ def raise_worker_error(error: ExceptionWrapper) -> NoReturn:
             pass  # raised here, not in reraise() (not an ExceptionWrapper): this frame still runs
         del tb  # (this frame would keep the traceback too)
         if isinstance(exc, StopIteration):
-            raise StopCarrier(exc) from None
+            carrier = StopCarrier(exc)
+            if goes_on is not None:
+                goes_on(carrier)
+            raise carrier from None
+        if goes_on is not None:
+            goes_on(exc)
         raise
     raise AssertionError("ExceptionWrapper.reraise() returned")
 

@@ -81,7 +81,9 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
         self._iterable = self._dataset_kind == _DatasetKind.Iterable
         self._deadline: float | None = None
         self._pending_error: Exception | None = None  # a batch's error, raised after the batches staged before it
-        self._raising_batch_error = False  # the exception on its way out is one batch's: the loader goes on
+        # The exception on its way out of next() that leaves the loader running (one batch's error,
+        # a timeout, a replacement said as an error): any other one stops it (_failed)
+        self._goes_on: BaseException | None = None
         self._failed_batches = 0  # batches of this epoch that raised instead (a checkpoint counts them consumed)
         self._fatal: BaseException | None = None  # what stopped the workers before the epoch ended
         cap = self._num_workers * self._prefetch_factor  # torch's bound on tasks; memory_budget may give fewer slots
@@ -114,7 +116,7 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
         self.finished = False  # this epoch's StopIteration was raised
         self._failed_batches = 0
         self._pending_error = None  # (an error staged behind batches of an epoch left early is that epoch's)
-        self._raising_batch_error = False
+        self._goes_on = None
         if not first_iter:
             self._sched.new_epoch()  # ready results dropped, the dispatch cursor and sequence numbers anew
             self._broker.new_epoch(self._sched)
@@ -140,7 +142,7 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
                 return delivery.pop_staged()  # batches staged before an error or shutdown come first
             if self._pending_error is not None:
                 error, self._pending_error = self._pending_error, None
-                self._raising_batch_error = True
+                self._goes_on = error
                 raise error
             if self._life.stopped:
                 if self._fatal is not None:  # never a silent end of the epoch
@@ -204,9 +206,9 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
                     try:
                         self._on_event(got)
                     except Exception as error:
-                        if not self._raising_batch_error:
+                        if error is not self._goes_on:
                             raise
-                        self._raising_batch_error = False
+                        self._goes_on = None
                         self._pending_error = error  # raised in its turn, after the staged batches
                         break
             if broker.grow_to is not None and not sched.n_tasks and not (stager and stager.copying):
@@ -258,8 +260,7 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
             self._broker.drop(slot)
             if status == Status.ERROR or status == Status.INIT_ERROR:  # (a failed worker_init_fn fails each
                 error = pickle.loads(read_pickled(ring, slot))       # of its worker's batches: worker.loop)
-                self._batch_failed()  # the loader goes on, as torch's does
-                raise_worker_error(error)
+                raise_worker_error(error, self._batch_failed)  # the loader goes on, as torch's does
             self._shutdown_workers()
             raise CorruptSlotError(f"slot {slot}: unknown result status {status}")
         else:
@@ -271,8 +272,9 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
         self._broker.grant(self._sched, ring, self._life.pool.send_memory, self._life.pinned,
                            self._delivery.stager is not None)
 
-    def _batch_failed(self) -> None:
-        self._raising_batch_error = True
+    def _batch_failed(self, error: BaseException) -> None:
+        """``error`` is one batch's: raised, and the loader goes on."""
+        self._goes_on = error
         self._failed_batches += 1
 
     # ------------------------------------------------- start and workers
@@ -289,14 +291,14 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
         for wid in self._life.pool.dead():
             try:
                 self._life.recover(wid, self._max_restarts, self._iterable and not has_state(self._dataset))
-            except WorkerReplacedWarning:  # (made an error: raised once the worker is replaced; the loader goes on)
-                self._raising_batch_error = True
+            except WorkerReplacedWarning as said:  # (made an error: raised once the worker is replaced; it goes on)
+                self._goes_on = said
                 raise
         if self._deadline is not None and time.monotonic() >= self._deadline:
             # torch's: raised at the deadline, and the iterator goes on (the next next() waits
             # for the same batch again): nothing is stopped first, nothing is lost.
-            self._raising_batch_error = True
-            raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
+            self._goes_on = RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
+            raise self._goes_on
 
     # --------------------------------------------------------------- sync
     def __next__(self) -> Any:
@@ -360,8 +362,8 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
         stops the workers, and later ``next()`` calls say why. Returns the StopIteration to
         raise instead when ``exc`` is one batch's and carries one (StopCarrier), else None
         (raise ``exc``)."""
-        if self._raising_batch_error:
-            self._raising_batch_error = False
+        if exc is self._goes_on:
+            self._goes_on = None
             return exc.stop if isinstance(exc, StopCarrier) else None
         if self._fatal is None:
             self._fatal = exc

@@ -124,7 +124,7 @@ class Lifecycle:
     # -------------------------------------------------------------- start
     def start(self, sampler: Any, batch_bytes: int | None, slot_bytes: int | None, prefetch_factor: int,
               budget: int | None, pin: str | None, device: torch.device | None, device_prefetch: int,
-              check: Callable[[], None], batch_failed: Callable[[], None]) -> Steps:
+              check: Callable[[], None], batch_failed: Callable[[BaseException], None]) -> Steps:
         """Size the ring (from the first batch, unless its size is known), create it, attach
         every worker. The first batch's task is probed: made privately by its worker, which
         keeps it and writes it into its slot once the ring exists. ``pin``: pin_memory's
@@ -144,7 +144,7 @@ class Lifecycle:
 
     def _create(self, sampler: Any, batch_bytes: int | None, slot_bytes: int | None, prefetch_factor: int,
                 budget: int | None, pin: str | None, device: torch.device | None, device_prefetch: int,
-                check: Callable[[], None], batch_failed: Callable[[], None]) -> Steps:
+                check: Callable[[], None], batch_failed: Callable[[BaseException], None]) -> Steps:
         """``start``'s first part: the probe, then the ring created and sent to every worker."""
         sched = self.sched
         first = batch_bytes
@@ -165,8 +165,7 @@ class Lifecycle:
                 sched.skip_result(seq)  # only exhausted shards came before
             elif status == Status.ERROR or status == Status.INIT_ERROR:  # the first batch's error (its own,
                 sched.skip_result(seq)                                   # or its worker's worker_init_fn's):
-                batch_failed()                                           # raised; the next one is probed
-                raise_worker_error(error)
+                raise_worker_error(error, batch_failed)                  # raised; the next one is probed
             else:
                 first = needed
                 self.broker.remember(first)  # later epochs skip the probe
