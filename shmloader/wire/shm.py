@@ -56,23 +56,6 @@ def new_name(prefix: str) -> str:
     return f"/{prefix}{os.getpid()}-{secrets.token_hex(8)}"
 
 
-def shm_free_bytes(path: str = SHM_DIR) -> int | None:
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
-
-
-def _fixes(needed: int, free: int) -> str:
-    return (
-        f"The ring needs {needed:,} bytes of shared memory but {SHM_DIR} has {free:,} bytes free. "
-        "Fixes: give the container more shared memory (Docker: --shm-size=...), "
-        "lower num_workers or prefetch_factor (the ring holds num_workers * prefetch_factor + 1 slots), "
-        "use smaller batches, or set slot_bytes= to a smaller slot size."
-    )
-
-
 def shm_problem(needed: int, path: str = SHM_DIR) -> str | None:
     """Why ``path`` cannot hold a segment of ``needed`` bytes (absent, read-only, not writable
     by this user, too small) and what would let it, or None when it looks as if it can."""
@@ -151,8 +134,8 @@ def create_segment_fd(size: int) -> tuple[str, int, Mapping]:
     """Create, reserve and map a new segment of ``size`` bytes. Returns (name, fd, mapping);
     the fd stays open for processes started later (it survives the name's unlink).
 
-    The pages are reserved with posix_fallocate, so a full tmpfs fails here with a
-    clear error instead of a SIGBUS on first touch.
+    The pages are reserved with posix_fallocate, so a full tmpfs fails here (and the ring
+    goes to a memfd: ``create_ring_memory``) instead of with a SIGBUS on first touch.
     """
 
     name = new_name(SEGMENT_PREFIX)
@@ -162,7 +145,7 @@ def create_segment_fd(size: int) -> tuple[str, int, Mapping]:
             os.posix_fallocate(shm.fd, 0, size)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-                raise SharedMemoryFullError(_fixes(size, shm_free_bytes() or 0)) from None
+                raise SharedMemoryFullError(f"{SHM_DIR} cannot hold {size:,} more bytes ({exc.strerror})") from None
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
         mm = Mapping(shm.fd, size)

@@ -174,3 +174,18 @@ def test_where_memory_files_are_not_available_the_error_says_so(monkeypatch: pyt
     with pytest.raises(shmloader.SharedMemoryFullError, match=r"memory files are not available here \(memfd_create: "
                        r"Operation not permitted\)\. Give /dev/shm room \(Docker: --shm-size=\.\.\.\)"):
         _shm.create_ring_memory(1 << 20)
+
+
+def test_a_dev_shm_filled_between_its_look_and_the_segment_sends_the_ring_to_a_memory_file(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def filled(size: int) -> Any:
+        raise shmloader.SharedMemoryFullError(f"/dev/shm cannot hold {size:,} more bytes (No space left on device)")
+
+    monkeypatch.setattr(_shm, "create_segment_fd", filled)  # (its look said there was room)
+    name, fd, mm, why = _shm.create_ring_memory(1 << 20)
+    try:
+        assert (name, why) == (None, "/dev/shm is full") and len(mm) == 1 << 20
+        assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:shmloader-ring")
+    finally:
+        mm.close()
+        os.close(fd)
