@@ -1,8 +1,9 @@
 """Delivery (main process): from a taken slot to the user's batch, and the batch's way back.
 
-``Delivery`` owns what a batch is built from and lent through: the current ring's leases,
-the view ``_native.lend_lone`` builds one-tensor batches with, batches that came pickled over
-a worker's pipe, and the device stager. A batch is, in order of preference:
+``Delivery`` builds each batch from the current ring (``main.scope.RingScope``: its leases,
+the view ``_native.lend_lone`` builds one-tensor batches with, overflow grants, the device
+stager) and keeps the batches that came pickled over a worker's pipe. A batch is, in order of
+preference:
 
 - one tensor in its slot: built and lent in one native call (``lend_lone``);
 - views of its slot (``read_batch``), lent until its last view dies or ``release()``;
@@ -24,18 +25,15 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
-import torch
-
 from shmloader import _native
 from shmloader._state_layout import Plan, Progress
 from shmloader._stats import Counters
 from shmloader.main import device as _device
-from shmloader.main.lease import Leases, copy_leaf, lone_args, read_batch, read_dataset_state
+from shmloader.main.lease import copy_leaf, read_batch, read_dataset_state
 from shmloader.main.overflow import OverflowBroker
-from shmloader.main.pool import WorkerPool
 from shmloader.main.scheduler import Scheduler, SlotState
+from shmloader.main.scope import RingScope
 from shmloader.wire.layout import Field
-from shmloader.wire.ring import Ring
 
 # A held batch (the user holds every slot a worker can spare: most_lent) under this many bytes is
 # copied out of its slot in the main process, and so are the next ones while the ring stays held;
@@ -94,11 +92,7 @@ class Delivery:
         self.broker = broker
         self.counters = counters
         self.noting = noting
-        self.ring: Ring | None = None
-        self.leases = Leases()
-        self.lone: tuple[Any, ...] | None = None  # lend_lone's view of the ring (None: no one-tensor path)
         self.piped: dict[int, bytes] = {}  # slot -> its (batch, dataset state), pickled over the pipe
-        self.stager: _device.DeviceStager | None = None
         # worker -> its snapshot after its last delivered batch or end of shard, and that epoch
         # (kept across epochs: a persistent worker's dataset carries on from it)
         self.dataset_states: dict[int, tuple[bytes, int]] = {}
@@ -106,45 +100,29 @@ class Delivery:
         self.ended: set[int] = set()  # workers whose shard ended in this epoch (an end of shard taken)
         self.consumed = ConsumedSeqs() if seqs else None
 
-    def attach(self, ring: Ring) -> None:
-        """Deliver from ``ring`` from now on (a new or grown one): its leases start empty; batches
-        of the ring before keep their memory by themselves."""
-        self.ring = ring
-        self.leases = Leases()
-        self.lone = None if self.noting else lone_args(ring, self.most_lent())
-
-    def new_epoch(self) -> None:
+    def new_epoch(self, scope: RingScope | None) -> None:
         """Results the new epoch dropped (their slots FREE) take their piped payloads along."""
         self.piped = {s: p for s, p in self.piped.items() if self.sched.state_of(s) != SlotState.FREE}
         self.last_worker = None
         self.ended = set()
         if self.consumed is not None:
             self.consumed = ConsumedSeqs()
-        if self.stager is not None:
-            self.stager.drain()
-
-    def most_lent(self) -> int:
-        """How many slots the user may hold before a batch is copied rather than lent: the ring
-        less one slot a worker (a loop that keeps every batch then still has every worker at
-        work), at least 2 (a loop holding its one batch is lent the next), at most the ring less
-        one (the workers keep a slot: a ring of 2 slots lends one)."""
-        slots = self.sched.num_slots
-        return min(slots - 1, max(2, slots - self.sched.num_workers))
+        if scope is not None and scope.stager is not None:
+            scope.stager.drain()
 
     # ------------------------------------------------------------ batches
-    def deliver(self, slot: int) -> Any:
+    def deliver(self, scope: RingScope, slot: int) -> Any:
         """The batch of ``slot``, just taken (LENT)."""
-        if self.lone is not None:  # (it checks the header: a piped or overflow batch is left alone)
-            built = _native.lend_lone(slot, self.leases.bases, self.lone)  # one tensor in its slot: one call
+        if scope.lone is not None:  # (it checks the header: a piped or overflow batch is left alone)
+            built = _native.lend_lone(slot, scope.leases.bases, scope.lone)  # one tensor in its slot: one call
             if built is not None:
                 if self.consumed is not None:
-                    self.delivered(self.note(slot))
+                    self.delivered(self.note(scope, slot))
                 counters = self.counters
                 counters.batches += 1
                 counters.bytes += built[1]
                 return built[0]
-        ring = self.ring
-        assert ring is not None
+        ring = scope.ring
         piped = self.piped.pop(slot, None)
         if piped is not None:
             hdr = ring.headers[slot]
@@ -155,21 +133,21 @@ class Delivery:
             self.counters.batches += 1
             self.counters.copies += 1
             return batch
-        self.delivered(self.note(slot))
-        where = self.broker.where(slot)
+        self.delivered(self.note(scope, slot))
+        where = scope.where(slot)
         if where is not None:
             # The batch lies in its own overflow memory: the slot is free once it is read (it
             # may hold the batch's description), the memory once the batch's last view is dropped.
             try:
                 batch, base, nbytes = read_batch(ring, slot, None, where)
             except BaseException:
-                self.broker.drop(slot)
+                scope.drop(slot)
                 raise
             finally:
                 self.sched.give_back(slot)
-            self.broker.take(slot, base)
+            scope.take(slot, base)
             self.counters.overflow_batches += 1
-            if self.sched.own and self.leases.holding() < self.most_lent() - 1:
+            if self.sched.own and scope.leases.held_count() < scope.most_lent() - 1:
                 self.sched.set_own(False)  # the user let go of the ring: batches go into slots again
         else:
             # Never lend a worker's last slot: a caller that keeps every batch (list(loader), a
@@ -179,9 +157,9 @@ class Delivery:
             # the next ones are copied too while the user holds the ring; larger ones have the
             # next ones written into memory of their own (the overflow path: zero-copy views, as
             # torch's batches are, each its own segment).
-            leases = self.leases
-            last = self.most_lent()  # lent slots before this one that leave a worker without one
-            copy = len(leases.bases) >= last and leases.holding() >= last
+            leases = scope.leases
+            last = scope.most_lent()  # lent slots before this one that leave a worker without one
+            copy = len(leases.bases) >= last and leases.held_count() >= last
             try:
                 batch, base, nbytes = read_batch(ring, slot, copy_leaf if copy else None)
             except BaseException:
@@ -199,57 +177,41 @@ class Delivery:
         self.counters.bytes += nbytes
         return batch
 
-    def piped_in(self, slot: int, pool: WorkerPool) -> None:
+    def piped_in(self, scope: RingScope, slot: int) -> None:
         """``slot``'s batch comes pickled over its worker's connection (published ``Region.PIPE``:
         memory_budget had no room while the user held it): read now, in the pipe's order, and
         the slot READY. A worker that died mid-send leaves it IN_FLIGHT: dispatched again."""
         task = self.sched.task_of(slot)
         assert task is not None
-        payload = pool.recv(task.worker, raw=True)
+        payload = scope.pool.recv(task.worker, raw=True)
         if payload is None:
             self.sched.bank_token()  # (the token stays: the slot's next publication is its)
         elif self.sched.done(slot):
             self.piped[slot] = payload
 
-    def kept(self) -> set[int]:
-        """The slots whose memory someone may still read: lent and not given back (a batch the
-        user holds, or a device copy's source), less those whose batch is gone or released."""
-        sched, leases = self.sched, self.leases
-        lent = {s for s in range(sched.num_slots) if sched.state_of(s) == SlotState.LENT}
-        return lent - (set(leases.bases) - leases.held()) - set(leases.released)
-
-    def stage(self, slot: int) -> None:
+    def stage(self, scope: RingScope, slot: int) -> None:
         """Start the device copy of ``slot``'s batch (just taken); it is handed over by
-        ``pop_staged`` in its turn, and the slot returns once the copy completed (``reap``)."""
-        assert self.stager is not None and self.ring is not None
-        where = self.broker.where(slot)
+        ``pop_staged`` in its turn, and the slot returns once the copy completed
+        (``RingScope.reap``)."""
+        assert scope.stager is not None
+        where = scope.where(slot)
         self.counters.overflow_batches += where is not None
-        self.counters.bytes += self.stager.stage(self.ring, slot, self.note(slot), where)
+        self.counters.bytes += scope.stager.stage(scope.ring, slot, self.note(scope, slot), where)
 
-    def pop_staged(self) -> Any:
-        assert self.stager is not None
-        batch, note = self.stager.pop()
+    def pop_staged(self, stager: _device.DeviceStager) -> Any:
+        batch, note = stager.pop()
         self.delivered(note)
         self.counters.batches += 1
         return batch
 
-    def reap(self, block: bool = False) -> None:
-        """Slots whose device copies completed go back (with their overflow memory); with
-        ``block``, after waiting for the oldest copy."""
-        assert self.stager is not None
-        for slot in self.stager.reap(block):
-            self.sched.give_back(slot)
-            self.broker.drop(slot)
-
     # ------------------------------------ worker snapshots, consumed tasks
-    def note(self, slot: int) -> tuple[int, bytes, int] | None:
+    def note(self, scope: RingScope, slot: int) -> tuple[int, bytes, int] | None:
         """Which worker made this batch, its snapshot after it (when noting), and the task's seq;
         None when neither is kept."""
         if not self.noting and self.consumed is None:
             return None
-        assert self.ring is not None
-        hdr = self.ring.headers[slot]
-        state = read_dataset_state(self.ring, slot, self.broker.where(slot)) if self.noting else b""
+        hdr = scope.ring.headers[slot]
+        state = read_dataset_state(scope.ring, slot, scope.where(slot)) if self.noting else b""
         return int(hdr[Field.WORKER]), state, int(hdr[Field.R_SEQ])
 
     def delivered(self, note: tuple[int, bytes, int] | None) -> None:
@@ -291,12 +253,11 @@ class Delivery:
             ended=frozenset(self.ended),
             earlier=frozenset(w for w, (_, at) in self.dataset_states.items() if at != epoch))
 
-    def shard_state(self, wid: int) -> tuple[bytes, bool]:
+    def shard_state(self, scope: RingScope, wid: int) -> tuple[bytes, bool]:
         """Where a replacement of worker ``wid`` resumes: the snapshot its dataset stored after the
         last batch it made that is kept (ready, staged, or delivered), or at its shard's end (b"":
         none, the shard's start). And whether that snapshot is of an earlier epoch (the
         replacement then begins this one anew)."""
-        assert self.ring is not None
         sched = self.sched
         kept = [(task.seq, slot) for slot in sched.ready() if (task := sched.task_of(slot)) and task.worker == wid]
         if kept:
@@ -305,14 +266,12 @@ class Delivery:
             if piped is not None:
                 state: bytes = pickle.loads(piped)[1]
                 return state, False
-            return read_dataset_state(self.ring, slot, self.broker.where(slot)), False
-        staged = [note for note in ([] if self.stager is None else self.stager.notes()) if note and note[0] == wid]
+            return read_dataset_state(scope.ring, slot, scope.where(slot)), False
+        stager = scope.stager
+        staged = [note for note in ([] if stager is None else stager.notes()) if note and note[0] == wid]
         if staged:
             return staged[-1][1], False
         saved = self.dataset_states.get(wid)
         if saved is None:
             return b"", False
         return saved[0], saved[1] != sched.epoch
-
-    def make_stager(self, device: torch.device, depth: int) -> None:
-        self.stager = _device.DeviceStager(device, depth)

@@ -12,14 +12,16 @@ a batch sampler's list of ints itself; ``post`` here is every other way.
 from __future__ import annotations
 
 import pickle
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import BatchSampler, SequentialSampler
 
-from shmloader.main.scheduler import Scheduler
 from shmloader.wire.layout import Field
 from shmloader.wire.messages import Index
-from shmloader.wire.ring import NOT_INTS, POSTED, Ring
+from shmloader.wire.ring import NOT_INTS, POSTED
+
+if TYPE_CHECKING:
+    from shmloader.main.scope import RingScope
 
 
 def batches_of(index_sampler: Any, made: Any = None) -> Any:
@@ -68,12 +70,13 @@ def index_text(index: Any, width: int = 200) -> str:
     return text[: width - len(tail)] + tail
 
 
-def post(sched: Scheduler, ring: Ring, send: Callable[[int, tuple[Any, ...]], object], slot: int) -> int:
-    """Post IN_FLIGHT ``slot``'s task (its worker, epoch, seq and index from ``sched``) the way its
-    index fits: a list of ints as int64 values (one native call: what ``Scheduler.step`` posts
-    itself), else pickled into the slot, else pickled over the worker's connection (``send``).
+def post(scope: RingScope, slot: int) -> int:
+    """Post IN_FLIGHT ``slot``'s task (its worker, epoch, seq and index from the scheduler) the
+    way its index fits: a list of ints as int64 values (one native call: what ``Scheduler.step``
+    posts itself), else pickled into the slot, else pickled over the worker's connection.
     Every queue entry and STATE store goes through the scheduler, their one writer. Returns the
     bytes of an index the slot could not hold (the ring should grow to hold it), else 0."""
+    sched, ring = scope.sched, scope.ring
     task = sched.task_of(slot)
     assert task is not None
     posted = sched.post_index(slot, task.index, False)
@@ -89,6 +92,6 @@ def post(sched: Scheduler, ring: Ring, send: Callable[[int, tuple[Any, ...]], ob
     hdr[Field.TASK_LEN] = -1
     hdr[Field.OWN] = sched.own
     sched.set_idle(slot)
-    send(task.worker, Index(slot, payload))
+    scope.send(task.worker, Index(slot, payload))
     sched.push(task.worker, slot)
     return len(payload) if len(payload) > ring.data_bytes else 0

@@ -4,14 +4,16 @@
 
 - ``_sched`` (``main.scheduler.Scheduler``, native): every slot's state, the epoch's tasks, the
   dispatch cursor, sequence numbers, banked tokens; its ``step`` is the per-batch path;
-- ``_broker`` (``main.overflow.OverflowBroker``): overflow grants, ``memory_budget``, growth;
-- ``main.delivery`` (``main.delivery.Delivery``): leases, one-tensor batches, piped and staged ones;
-- ``_life`` (``main.lifecycle.Lifecycle``): the workers, the doorbell, the ring: start, grow,
-  replacement, shutdown;
+- ``_broker`` (``main.overflow.OverflowBroker``): when overflow memory is granted under
+  ``memory_budget``, and growth;
+- ``_delivery`` (``main.delivery.Delivery``): from a taken slot to the user's batch, worker snapshots;
+- ``_life`` (``main.lifecycle.Lifecycle``): the workers, the doorbell, and the current ring's
+  scope (``_life.scope``, a ``main.scope.RingScope``: the ring and everything tied to it: leases,
+  overflow grants, the device stager): start, grow, replacement, shutdown;
 - ``_waiter`` (``main.wait.Waiter``): sync and async waits.
 
 The logic of one ``next()`` is the generator ``_steps``: it yields a *wait request*
-(``main.wait.READY``, ``main.wait.COPY``, ``("conns", workers)``) whenever nothing is ready; ``for``
+(``("ready", scope)``, ``("copy", scope)``, ``("conns", workers)``) whenever nothing is ready; ``for``
 (``__next__``) and ``async for`` (``__anext__``) are two thin drivers that fulfil requests
 (``Waiter.block``, ``Waiter.wait``) and resume it. Each of its passes is ``_round``, which never
 waits: one ``Scheduler.step`` per batch in the steady state, whose events (a request for
@@ -39,11 +41,12 @@ from shmloader._stats import Counters, RingOccupancy, occupancy
 from shmloader.main.delivery import Delivery
 from shmloader.main.dispatch import batches_of
 from shmloader.main.lease import leaves_of, read_pickled, slot_of
-from shmloader.main.lifecycle import Lifecycle, live
+from shmloader.main.lifecycle import Lifecycle, RingSettings, live
 from shmloader.main.overflow import OverflowBroker
 from shmloader.main.resume import RingCheckpoint
 from shmloader.main.scheduler import Scheduler, Step
-from shmloader.main.wait import COPY, READY, Waiter, interrupted
+from shmloader.main.scope import RingScope
+from shmloader.main.wait import Waiter, interrupted
 from shmloader.wire.layout import Field, Status
 from shmloader.wire.ring import Ring
 from shmloader.worker.produce import has_state, worker_configs
@@ -53,6 +56,7 @@ PARENT_CHECK_S = 0.5  # how often an idle worker checks that this process lives
 _NOTHING = object()  # nothing ready yet
 _END = object()  # the epoch has ended
 _GROW = object()  # the ring must grow before anything else is dispatched
+_COPY = object()  # only a device copy's completion moves on
 _NOT_READY = int(Step.NOT_READY)
 
 class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
@@ -71,13 +75,7 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
             _checkpoint.set_rng_state(loader.generator, rng)
             self._sampler_iter = iter(self._index_sampler)
         self._loader = weakref.ref(loader)
-        self._prefetch_factor: int = loader.prefetch_factor
-        self._slot_bytes: int | None = loader.slot_bytes
-        self._memory_budget: int | None = loader._shm_memory_budget
         self._counters: Counters = loader._shm_counters
-        self._max_restarts: int = loader.max_worker_restarts
-        self._device: torch.device | None = loader._shm_device
-        self._device_prefetch: int = loader.device_prefetch
         self._iterable = self._dataset_kind == _DatasetKind.Iterable
         self._deadline: float | None = None
         self._pending_error: Exception | None = None  # a batch's error, raised after the batches staged before it
@@ -86,17 +84,21 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
         self._goes_on: BaseException | None = None
         self._failed_batches = 0  # batches of this epoch that raised instead (a checkpoint counts them consumed)
         self._fatal: BaseException | None = None  # what stopped the workers before the epoch ended
-        cap = self._num_workers * self._prefetch_factor  # torch's bound on tasks; memory_budget may give fewer slots
+        cap = self._num_workers * loader.prefetch_factor  # torch's bound on tasks; memory_budget may give fewer slots
         self._sched = Scheduler(cap, self._num_workers, cap, in_order=loader.in_order)
-        self._broker = OverflowBroker(loader._shm_memory, self._memory_budget, loader.in_order, self._loader)
+        self._broker = OverflowBroker(loader._shm_memory, loader._shm_memory_budget, loader.in_order, self._loader)
         plan: _state_layout.Plan | None = loader._shm_resume_plan
         self._delivery = Delivery(self._sched, self._broker, self._counters, self._iterable or has_state(self._dataset),
                                   seqs=not loader.in_order and not self._iterable)  # (consumed: not a prefix)
         configs = worker_configs(self, loader.worker_init_fn, int(self._base_seed), PARENT_CHECK_S,
                                  {} if plan is None else plan.workers, (lambda w: False) if plan is None else plan.done)
-        self._life = Lifecycle(loader.multiprocessing_context or torch.multiprocessing, configs, self._sched,
-                               self._delivery, self._broker, self._counters)
-        self._waiter = Waiter(self._life, self._sched, self._delivery, self._counters)
+        settings = RingSettings(
+            loader.multiprocessing_context or torch.multiprocessing, configs, loader.slot_bytes,
+            loader.prefetch_factor, loader._shm_memory_budget,
+            self._pin_memory_device if self._pin_memory else None,  # (torch's: the accelerator, if any)
+            loader._shm_device, loader.device_prefetch, loader.max_worker_restarts)
+        self._life = Lifecycle(settings, self._sched, self._delivery, self._broker, self._counters)
+        self._waiter = Waiter(self._life, self._counters)
         live.add(self)
         # (in_order=False: always its state now; batches made again after a snapshot would not be
         # the ones consumed, whichever came first)
@@ -119,8 +121,8 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
         self._goes_on = None
         if not first_iter:
             self._sched.new_epoch()  # ready results dropped, the dispatch cursor and sequence numbers anew
-            self._broker.new_epoch(self._sched)
-            self._delivery.new_epoch()
+            self._broker.new_epoch(self._life.scope)
+            self._delivery.new_epoch(self._life.scope)
             self._snapshots = _checkpoint.Snapshots(self._every, self)
 
     @property
@@ -130,16 +132,17 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
     @property
     def ring(self) -> Ring | None:
         """The ring this iterator's workers write into (None before the first batch)."""
-        return self._life.ring
+        scope = self._life.scope
+        return None if scope is None else scope.ring
 
     # ------------------------------------------------------ the one path
     def _steps(self, first: Any = None) -> Generator[tuple[Any, ...], None, Any]:
         """The logic of one ``next()``. ``first``: what a ``_round`` just returned when the
         caller ran one (the early exit of a ready ``next()``), processed as this loop's first."""
         if first is None:
-            delivery = self._delivery
-            if delivery.stager is not None and delivery.stager.staged:
-                return delivery.pop_staged()  # batches staged before an error or shutdown come first
+            scope = self._life.scope
+            if scope is not None and scope.stager is not None and scope.stager.staged:
+                return self._delivery.pop_staged(scope.stager)  # batches staged before an error or shutdown come first
             if self._pending_error is not None:
                 error, self._pending_error = self._pending_error, None
                 self._goes_on = error
@@ -159,52 +162,55 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
         while True:
             result = self._round() if first is None else first
             first = None
-            if result is _GROW:
-                yield from self._life.grow(self._memory_budget, self._check)
-                continue
-            if result is not _NOTHING and result is not COPY:
+            if result is not _NOTHING and result is not _COPY and result is not _GROW:
                 return result
-            stager = self._delivery.stager
-            if result is COPY or (stager is not None and stager.copying and not self._sched.n_free):
+            scope = self._life.scope
+            assert scope is not None  # (_round answers _END until a ring exists)
+            if result is _GROW:
+                yield from self._life.grow(scope, self._check)
+                continue
+            stager = scope.stager
+            if result is _COPY or (stager is not None and stager.copying and not self._sched.n_free):
                 # Every slot is copying or staged (or the epoch ends with copies running): only
                 # a copy's completion moves on. Waited for without blocking an event loop.
                 self._check()
-                yield COPY
+                yield ("copy", scope)
                 continue
-            yield READY  # whoever waits checks dead workers and the timeout before it blocks
+            yield ("ready", scope)  # whoever waits checks dead workers and the timeout before it blocks
 
     def _round(self) -> Any:
         """One pass that never waits: the scheduler's step (slots back, results collected, tasks
         dispatched, the next batch taken) and what its events ask; then the batch, ``_END``,
-        ``_GROW`` (the ring must grow first), ``COPY`` (wait for a device copy) or ``_NOTHING``."""
+        ``_GROW`` (the ring must grow first), ``_COPY`` (wait for a device copy) or ``_NOTHING``."""
         sched, delivery = self._sched, self._delivery
-        if self._life.ring is not None:
-            broker = self._broker
-            if delivery.leases.released:
-                for slot in delivery.leases.take_released():
+        scope = self._life.scope
+        if scope is not None:
+            broker, leases = self._broker, scope.leases
+            if leases.released:
+                for slot in leases.take_released():
                     sched.give_back(slot)
             if sched.waiting_count:
-                self._grant()
-            stager = delivery.stager
+                broker.grant(scope)
+            stager = scope.stager
             if stager is not None:
-                delivery.reap()
+                scope.reap()
             while True:
                 # (with the device stager full, only slots back, results in and tasks out)
                 room = stager is None or stager.has_room()
-                got = sched.step(delivery.leases.bases, self._sampler_iter, broker.grow_to is None, room)
+                got = sched.step(leases.bases, self._sampler_iter, broker.grow_to is None, room)
                 if sched.has_unposted:
-                    self._life.post_unposted()
+                    self._life.post_unposted(scope)
                 if got >= 0:
                     if stager is None:
-                        return delivery.deliver(got)
-                    delivery.stage(got)
+                        return delivery.deliver(scope, got)
+                    delivery.stage(scope, got)
                 elif got == _NOT_READY:
                     break
                 elif stager is None or not stager.staged:
-                    self._on_event(got)
+                    self._on_event(scope, got)
                 else:
                     try:
-                        self._on_event(got)
+                        self._on_event(scope, got)
                     except Exception as error:
                         if error is not self._goes_on:
                             raise
@@ -214,29 +220,26 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
             if broker.grow_to is not None and not sched.n_tasks and not (stager and stager.copying):
                 return _GROW
             if stager is not None and stager.staged:
-                return delivery.pop_staged()
+                return delivery.pop_staged(stager)
         if sched.exhausted and not sched.outstanding and not sched.n_ready:
             if not self._persistent_workers:
-                if delivery.stager is not None and delivery.stager.copying:
-                    return COPY  # shutting down waits for them: let them finish first
+                if scope is not None and scope.stager is not None and scope.stager.copying:
+                    return _COPY  # shutting down waits for them: let them finish first
                 self._shutdown_workers()
             return _END
         return _NOTHING
 
-    def _on_event(self, code: int) -> None:
+    def _on_event(self, scope: RingScope, code: int) -> None:
         """What ``Scheduler.step`` stopped at, for slot ``sched.event``."""
-        sched, life = self._sched, self._life
-        ring = life.ring
-        assert ring is not None
+        sched, ring = self._sched, scope.ring
         slot = sched.event
         hdr = ring.headers[slot]
         if code == Step.NEED_MEMORY:
-            self._broker.requested(slot, hdr[Field.NEEDED], bool(hdr[Field.OWN]), sched, ring, life.pool.send_memory,
-                                   life.pinned, self._delivery.stager is not None)
+            self._broker.requested(scope, slot, hdr[Field.NEEDED], bool(hdr[Field.OWN]))
         elif code == Step.PIPE:
-            self._delivery.piped_in(slot, life.pool)
+            self._delivery.piped_in(scope, slot)
         elif code == Step.STALE:
-            self._broker.drop(slot)
+            scope.drop(slot)
         elif code == Step.TORN:
             task = sched.task_of(slot)
             error = CorruptSlotError(
@@ -257,7 +260,7 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
             if consumed is not None:
                 consumed.add(int(hdr[Field.R_SEQ]))
             sched.give_back(slot)
-            self._broker.drop(slot)
+            scope.drop(slot)
             if status == Status.ERROR or status == Status.INIT_ERROR:  # (a failed worker_init_fn fails each
                 error = pickle.loads(read_pickled(ring, slot))       # of its worker's batches: worker.loop)
                 raise_worker_error(error, self._batch_failed)  # the loader goes on, as torch's does
@@ -265,12 +268,6 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
             raise CorruptSlotError(f"slot {slot}: unknown result status {status}")
         else:
             raise AssertionError(f"Scheduler.step answered {code}")
-
-    def _grant(self) -> None:
-        ring = self._life.ring
-        assert ring is not None
-        self._broker.grant(self._sched, ring, self._life.pool.send_memory, self._life.pinned,
-                           self._delivery.stager is not None)
 
     def _batch_failed(self, error: BaseException) -> None:
         """``error`` is one batch's: raised, and the loader goes on."""
@@ -281,16 +278,13 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
     def _start(self) -> Generator[tuple[Any, ...], None, None]:
         loader = self._loader()
         batch_bytes = None if loader is None else loader._shm_batch_bytes
-        pin = self._pin_memory_device if self._pin_memory else None  # (torch's: the accelerator, if any)
-        yield from self._life.start(
-            self._sampler_iter, batch_bytes, self._slot_bytes, self._prefetch_factor, self._memory_budget, pin,
-            self._device, self._device_prefetch, self._check, self._batch_failed)
+        yield from self._life.start(self._sampler_iter, batch_bytes, self._check, self._batch_failed)
 
     def _check(self) -> None:
         """Replace dead workers (or raise); raise if the user's ``timeout`` has passed."""
         for wid in self._life.pool.dead():
             try:
-                self._life.recover(wid, self._max_restarts, self._iterable and not has_state(self._dataset))
+                self._life.recover(wid, self._iterable and not has_state(self._dataset))
             except WorkerReplacedWarning as said:  # (made an error: raised once the worker is replaced; it goes on)
                 self._goes_on = said
                 raise
@@ -321,10 +315,10 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
             # The early exit: a started, running iterator with nothing staged, pending or timed
             # runs one round; the generator only when that round found nothing (or more to do).
             life = self._life
-            steady = (life.started and not life.stopped and self._delivery.stager is None
+            steady = (life.started and not life.stopped and life.scope is not None and life.scope.stager is None
                       and self._pending_error is None and not life.attaching and not self._timeout)
             result = self._round() if steady else _NOTHING
-            if result is _NOTHING or result is _GROW or result is COPY:
+            if result is _NOTHING or result is _GROW or result is _COPY:
                 steps = self._steps(result if steady else None)  # (goes on from that round's result)
                 request = next(steps)
                 block, check = self._waiter.block, self._check
@@ -410,21 +404,23 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
     # ------------------------------------------------- the user's view
     def release(self, batch: Any) -> int:
         """Return the slots that ``batch`` views to the ring now. Returns how many."""
-        ring = self._life.ring
-        if ring is None:
+        scope = self._life.scope
+        if scope is None:
             return 0
-        views = [(slot, leaf) for leaf in leaves_of(batch) if (slot := slot_of(ring, leaf)) is not None]
-        return self._delivery.leases.release_views(views)
+        views = [(slot, leaf) for leaf in leaves_of(batch) if (slot := slot_of(scope.ring, leaf)) is not None]
+        return scope.leases.release_views(views)
 
-    def holding(self) -> int:
-        return self._delivery.leases.holding()
+    def held_count(self) -> int:
+        """How many slots the user holds right now."""
+        scope = self._life.scope
+        return 0 if scope is None else scope.leases.held_count()
 
     def occupancy(self) -> RingOccupancy | None:
-        ring = self._life.ring
-        if ring is None:
+        scope = self._life.scope
+        if scope is None:
             return None
-        stager = self._delivery.stager
-        return occupancy(self._sched, ring.geometry.data_bytes, self._delivery.leases.holding(),
+        stager = scope.stager
+        return occupancy(self._sched, scope.ring.geometry.data_bytes, scope.leases.held_count(),
                          0 if stager is None else len(stager.copying))
 
     def worker_busy(self) -> tuple[float, ...]:

@@ -99,18 +99,13 @@ class Leases:
             out.append(released.popleft())
         return out
 
-    def holding(self) -> int:
-        """Slots the user holds right now."""
+    def held_count(self) -> int:
+        """How many slots the user holds right now (``held()``, counted)."""
         return len(self.bases) - len(_native.unviewed(self.bases, False))
 
     def held(self) -> set[int]:
         """The slots the user holds right now (a batch, or a view of one, is alive)."""
         return set(self.bases) - set(_native.unviewed(self.bases, False))
-
-    @property
-    def lent(self) -> set[int]:
-        """Slots not yet taken back."""
-        return set(self.bases) | set(self.released)
 
 
 def memory_key(view: Any) -> tuple[int, Callable[[], bool]]:

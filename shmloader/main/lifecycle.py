@@ -1,10 +1,10 @@
 """The ring's lifecycle (main process): the workers, the segment, and every change of either.
 
-``Lifecycle`` owns the worker pool, the doorbell, the ring and whether it is page-locked.
-It starts an iterator's ring (the first batch probed to size the slots, the segment created
-and pinned, every worker attached), grows it when batches outgrow its slots, replaces dead
-workers, and shuts everything down. Each change of ring hands the new one to the scheduler
-and to delivery in one step, so nothing ever reads one ring through another's table.
+``Lifecycle`` owns the worker pool, the doorbell, and the current ring's scope
+(``main.scope.RingScope``: the ring and everything tied to it). It starts an iterator's ring
+(the first batch probed to size the slots, the segment created and pinned, every worker
+attached), grows it when batches outgrow its slots (a new scope, swapped whole), replaces dead
+workers, and shuts everything down.
 
 Generators here yield wait requests (``("conns", workers)``) as the iterator's steps do,
 and take ``check``: the iterator's look at dead workers and the timeout.
@@ -34,9 +34,10 @@ from shmloader.main import device as _device
 from shmloader.main.budget import plan_ring
 from shmloader.main.delivery import Delivery
 from shmloader.main.dispatch import as_list, index_text, post
-from shmloader.main.overflow import OverflowBroker, RingShare
+from shmloader.main.overflow import OverflowBroker
 from shmloader.main.pool import WorkerPool
 from shmloader.main.scheduler import Scheduler
+from shmloader.main.scope import RingScope, RingUse
 from shmloader.wire.layout import RESIZE_TASK, RingGeometry, Status
 from shmloader.wire.messages import Attached, Grown, NewRing, Probe, Probed
 from shmloader.wire.ring import Doorbell, Ring
@@ -59,6 +60,20 @@ def said_where(ring: Ring) -> None:
                   f"/dev/shm: {ring.elsewhere}. Batches travel as fast and are not copied; the memory counts "
                   "against this process and its cgroup as any other (memory_budget= bounds it).",
                   SharedMemoryWarning, stacklevel=user_stacklevel())
+
+
+class RingSettings(NamedTuple):
+    """What an iterator's workers and rings are made with, fixed for its life."""
+
+    ctx: Any  # the multiprocessing context workers start in
+    configs: list[WorkerConfig]  # one per worker
+    slot_bytes: int | None  # DataLoader(slot_bytes=): a hint
+    prefetch_factor: int
+    budget: int | None  # memory_budget
+    pin: str | None  # pin_memory's device (the ring is page-locked on CUDA), or None
+    device: torch.device | None  # DataLoader(device=)
+    device_prefetch: int
+    max_restarts: int  # max_worker_restarts
 
 
 class Probing(NamedTuple):
@@ -96,22 +111,21 @@ def _room_freed(broker: weakref.ref[OverflowBroker], doorbell: Doorbell) -> bool
 
 
 class Lifecycle:
-    def __init__(self, ctx: Any, configs: list[WorkerConfig], sched: Scheduler, delivery: Delivery,
-                 broker: OverflowBroker, counters: Counters) -> None:
+    def __init__(self, settings: RingSettings, sched: Scheduler, delivery: Delivery, broker: OverflowBroker,
+                 counters: Counters) -> None:
+        self.settings = settings
         self.sched = sched
         self.delivery = delivery
         self.broker = broker
         self.counters = counters
         self.doorbell = Doorbell()
         try:
-            self.pool = WorkerPool(ctx, configs, self.doorbell.fd)
+            self.pool = WorkerPool(settings.ctx, settings.configs, self.doorbell.fd)
         except BaseException:
             self.doorbell.close()
             raise
         broker.memory.listeners.append(functools.partial(_room_freed, weakref.ref(broker), self.doorbell))
-        self.share: RingShare | None = None  # the ring's bytes in the loader's memory
-        self.ring: Ring | None = None
-        self.pinned = False  # the ring is page-locked (pin_memory=True or device= on CUDA)
+        self.scope: RingScope | None = None  # the current ring and everything tied to it
         self.started = False  # the ring exists and every worker has attached to it once
         self.stopped = False
         self.attaching: dict[int, Any] = {}  # workers sent a new ring, not yet attached: worker -> its process
@@ -122,31 +136,29 @@ class Lifecycle:
         self.busy: tuple[float, ...] | None = None  # each worker's busy share when they stopped
 
     # -------------------------------------------------------------- start
-    def start(self, sampler: Any, batch_bytes: int | None, slot_bytes: int | None, prefetch_factor: int,
-              budget: int | None, pin: str | None, device: torch.device | None, device_prefetch: int,
-              check: Callable[[], None], batch_failed: Callable[[BaseException], None]) -> Steps:
-        """Size the ring (from the first batch, unless its size is known), create it, attach
-        every worker. The first batch's task is probed: made privately by its worker, which
-        keeps it and writes it into its slot once the ring exists. ``pin``: pin_memory's
-        device (the ring is page-locked on CUDA, and with ``device``), or None.
+    def start(self, sampler: Any, batch_bytes: int | None, check: Callable[[], None],
+              batch_failed: Callable[[BaseException], None]) -> Steps:
+        """Size the ring (from the first batch, unless its size is known: ``batch_bytes``, an
+        earlier iterator's), create it, attach every worker. The first batch's task is probed:
+        made privately by its worker, which keeps it and writes it into its slot once the ring
+        exists.
 
         Resumable: every wait is at a yield, and what a wait left behind lives here (the probe
-        sent: ``probing``; the ring made, workers not yet attached: ``ring``, ``attaching``),
+        sent: ``probing``; the ring made, workers not yet attached: ``scope``, ``attaching``),
         so a start whose generator was dropped (an ``async for`` cancelled) is called again and
         goes on, asking nothing twice and drawing no index twice."""
-        if self.ring is None:
-            yield from self._create(sampler, batch_bytes, slot_bytes, prefetch_factor, budget, pin, device,
-                                    device_prefetch, check, batch_failed)
-            if self.ring is None:
+        if self.scope is None:
+            yield from self._create(sampler, batch_bytes, check, batch_failed)
+            if self.scope is None:
                 return  # the epoch had no batch (every shard ended while probing)
         yield from self.await_attached(check)
         self.started = True
 
-    def _create(self, sampler: Any, batch_bytes: int | None, slot_bytes: int | None, prefetch_factor: int,
-                budget: int | None, pin: str | None, device: torch.device | None, device_prefetch: int,
-                check: Callable[[], None], batch_failed: Callable[[BaseException], None]) -> Steps:
+    def _create(self, sampler: Any, batch_bytes: int | None, check: Callable[[], None],
+                batch_failed: Callable[[BaseException], None]) -> Steps:
         """``start``'s first part: the probe, then the ring created and sent to every worker."""
-        sched = self.sched
+        sched, settings = self.sched, self.settings
+        slot_bytes = settings.slot_bytes
         first = batch_bytes
         probe: tuple[int, int, Any] | None = None
         if self.probing is not None and self.probing.epoch != sched.epoch:
@@ -174,21 +186,20 @@ class Lifecycle:
             slot_bytes = max(slot_bytes, first)
         # Under memory_budget, what the loader's other memory leaves (rings kept by held batches
         # of earlier epochs, other live iterators, overflow memory).
-        geometry = plan_ring(sched.num_workers, prefetch_factor, first, slot_bytes, budget,
+        geometry = plan_ring(sched.num_workers, settings.prefetch_factor, first, slot_bytes, settings.budget,
                              self.broker.memory.in_use)
         ring = Ring(geometry)
-        if device is not None:
-            self.delivery.make_stager(device, device_prefetch)
+        device, pin = settings.device, settings.pin
         try:
             said_where(ring)  # (a warning made an error closes the ring as any failure here does)
-            if device is not None or pin == "cuda":
-                self.pinned = _device.register_host(ring.mm, geometry.total_bytes)
-            elif pin is not None:
+            if pin is not None and pin != "cuda" and device is None:
                 _device.warn_unsupported(pin)
+            stager = None if device is None else _device.DeviceStager(device, settings.device_prefetch)
         except BaseException:
             ring.close()
             raise
-        self._use(ring)
+        self.scope = RingScope(ring, sched, self.pool, self.broker.memory,
+                               RingUse(device is not None or pin == "cuda", stager, not self.delivery.noting))
         self.attaching = dict(enumerate(self.pool.procs))
         for wid in range(sched.num_workers):
             pending = -1
@@ -259,43 +270,29 @@ class Lifecycle:
             if attaching:
                 yield ("conns", sorted(attaching))
 
-    def _use(self, ring: Ring) -> None:
-        """``ring`` is the iterator's from here on: the scheduler's table (resized, all FREE) and
-        delivery's leases follow it in this one step, and the loader's memory counts it."""
-        self.ring = ring
-        self.share = self.broker.memory.map_ring(ring.mm, ring.geometry.total_bytes)
-        self.sched.resize(ring.geometry.num_slots)
-        self.sched.attach(ring.mm, ring.header_offsets, ring.data_offsets, ring.data_bytes, ring.queue_offsets,
-                          ring.queue_len, tuple(ring.task_sems), ring.ready_sem)
-        self.delivery.attach(ring)
-
     # --------------------------------------------------------------- grow
-    def grow(self, budget: int | None, check: Callable[[], None]) -> Steps:
-        """Replace the drained ring by one with larger slots (``broker.grow_to``); every worker
-        attaches to it. The old ring's slots the user does not hold go back to the system at
-        once. Under memory_budget only when the new ring, and room for one batch to overflow,
+    def grow(self, old: RingScope, check: Callable[[], None]) -> Steps:
+        """Replace the drained ring (``old``) by one with larger slots (``broker.grow_to``); every
+        worker attaches to it. The old ring's slots the user does not hold go back to the system
+        at once. Under memory_budget only when the new ring, and room for one batch to overflow,
         fit beside what is still held (the old ring's held slots); otherwise overflow keeps
         carrying large batches."""
-        old, broker = self.ring, self.broker
-        assert old is not None and broker.grow_to is not None
-        size, broker.grow_to = broker.grow_to, None
+        broker, budget = self.broker, self.settings.budget
+        size = broker.take_growth()
         g = RingGeometry(self.sched.num_workers, self.sched.num_slots, size)
-        keep = self.delivery.leases.held()  # the old ring's slots the user still views
-        og = old.geometry
+        keep = old.held()  # the old ring's slots the user still views (nothing is copying: it drained)
+        og = old.ring.geometry
         held = og.control_bytes + len(keep) * og.slot_stride if keep else 0
         # Under memory_budget, only with room left beside it for a batch of that size to
         # overflow: a grown ring that fills the budget would make the next larger batch an error.
         # (The old ring counts what it will keep: its held slots.)
-        old_share = self.share
-        others = broker.memory.in_use - (old_share.nbytes if old_share is not None else 0)
+        others = broker.memory.in_use - old.share.nbytes
         if budget is not None and g.total_bytes + size + held + others > budget:
             broker.growth_declined = True
             return
         ring = Ring(g)
         try:
             said_where(ring)
-            if self.pinned:
-                _device.register_host(ring.mm, g.total_bytes)
         except BaseException:
             ring.close()
             raise
@@ -305,25 +302,24 @@ class Lifecycle:
         # The old ring is closed whatever happens next.
         for wid in range(self.sched.num_workers):
             self.sched.push(wid, RESIZE_TASK)
-        self._use(ring)
-        self.attaching = dict(enumerate(self.pool.procs))
         try:
+            self.scope = scope = RingScope(ring, self.sched, self.pool, self.broker.memory, old.use)
+            self.attaching = dict(enumerate(self.pool.procs))
             for wid in range(self.sched.num_workers):
                 # One that died already (unseen: liveness is checked before sleeping) is replaced
                 # by await_attached's check, on the new ring: it is then no longer waited for.
-                self.pool.send(wid, Grown(ring.geometry), ring.fd, dead_ok=True)
+                scope.send(wid, Grown(ring.geometry), ring.fd)
         finally:
-            old.give_back(keep)  # (drained: no task is in flight; the workers' next is to attach)
-            old.close()
-            if old_share is not None:
-                old_share.resize(held)  # counted until the batches viewing it are gone
+            # (drained: no task is in flight; the workers' next is to attach.) Counted at its
+            # held slots until the batches viewing it are gone.
+            old.retire(keep, control=False)
             self.counters.ring_growths += 1
         yield from self.await_attached(check)
 
     # ------------------------------------------------------------ workers
-    def recover(self, wid: int, max_restarts: int, unresumable: bool) -> None:
+    def recover(self, wid: int, unresumable: bool) -> None:
         """Replace dead worker ``wid`` and dispatch its tasks again, or raise WorkerDiedError
-        (past ``max_restarts``, or for an IterableDataset whose shard cannot resume:
+        (past max_worker_restarts, or for an IterableDataset whose shard cannot resume:
         ``unresumable``).
 
         Its slots may be half written: each is reset and its task (same epoch, seq and
@@ -339,9 +335,9 @@ class Lifecycle:
             task = sched.task_of(current[0][1])
             assert task is not None
             doing = f" while producing batch {task.seq} (index {index_text(as_list(task.index))})"
-        elif self.ring is None:
+        elif self.scope is None:
             doing = " before it answered for the first batch, before the ring was set up"
-        used = self.counters.worker_restarts
+        used, max_restarts = self.counters.worker_restarts, self.settings.max_restarts
         reason = None
         if self.started and unresumable:
             # (before the start, a worker has made at most the first batch, privately: its
@@ -364,8 +360,8 @@ class Lifecycle:
 
     def _replace(self, wid: int) -> None:
         """``recover``'s replacement of dead worker ``wid``, and its tasks dispatched again."""
-        sched, pool = self.sched, self.pool
-        if self.ring is None:  # it died probing the first batch: a fresh worker, which start() asks again
+        sched, pool, scope = self.sched, self.pool, self.scope
+        if scope is None:  # it died probing the first batch: a fresh worker, which start() asks again
             pool.restart(wid, self.doorbell.fd)
             return
         # It may have published a slot DONE and died before posting its token: a slot found
@@ -375,57 +371,52 @@ class Lifecycle:
         sched.bank_token()
         orphans = sched.orphaned(wid)
         for slot, _ in orphans:
-            self.broker.drop(slot)
+            scope.drop(slot)
         shard = None
         if self.delivery.noting:  # from its snapshot (a checkpoint's, until it delivers: Delivery.resume_from)
-            state, earlier = self.delivery.shard_state(wid)
+            state, earlier = self.delivery.shard_state(scope, wid)
             shard = (state, sched.epoch, earlier)
         sched.renew_queue(wid)
-        pool.replace(wid, self.ring, self.doorbell.fd, shard)
+        pool.replace(wid, scope.ring, self.doorbell.fd, shard)
         for slot, task in orphans:  # to its replacement: the batch -> worker assignment stays torch's
             if task.epoch == sched.epoch:
                 sched.redispatch(slot, wid, task.seq, task.index)
-                self.post(slot)
+                self.post(scope, slot)
 
-    def post(self, slot: int) -> None:
+    def post(self, scope: RingScope, slot: int) -> None:
         """Post ``slot``'s task the way its index fits (``main.dispatch.post``): what the scheduler's
         step could not post itself, or a task dispatched again."""
-        ring = self.ring
-        assert ring is not None
-        send = self.pool.send
-        needed = post(self.sched, ring, lambda wid, msg: send(wid, msg, dead_ok=True), slot)
+        needed = post(scope, slot)
         if needed:
-            self.broker.want_growth(needed, ring.data_bytes)
+            self.broker.want_growth(needed, scope.ring.data_bytes)
 
-    def post_unposted(self) -> None:
+    def post_unposted(self, scope: RingScope) -> None:
         """Tasks the step dispatched but could not post (an index that is no list of int64 ints,
         or too large for its slot): pickled into the slot, or over the worker's connection."""
         for slot in self.sched.take_unposted():
-            self.post(slot)
+            self.post(scope, slot)
 
     def worker_busy(self) -> tuple[float, ...]:
         """Each worker's busy share: read from the ring's counters, or as they were when the
         workers stopped (the counters' pages went back with the ring's control region)."""
         if self.busy is not None:
             return self.busy
-        return () if self.ring is None else worker_busy(self.ring.counters)
+        return () if self.scope is None else worker_busy(self.scope.ring.counters)
 
     def shutdown(self) -> None:
         """Stop the workers, close the ring and the doorbell. Idempotent."""
         if self.stopped:
             return
         self.stopped = True
-        stager = self.delivery.stager
+        scope = self.scope
         try:
-            if stager is not None:
-                stager.stream.synchronize()  # no DMA may outlive the mapping it reads
-            self.pool.stop(None if self.ring is None else self.sched.push)
-            if self.ring is not None:  # nobody writes it now: what nobody holds goes back
-                self.busy = worker_busy(self.ring.counters)  # (the counters' pages go back too)
-                kept = self.ring.give_back(self.delivery.kept(), control=True)
-                if self.share is not None:
-                    self.share.resize(kept)
+            if scope is not None and scope.stager is not None:
+                scope.stager.stream.synchronize()  # no DMA may outlive the mapping it reads
+            self.pool.stop(None if scope is None else self.sched.push)
+            if scope is not None:  # nobody writes it now: what nobody holds goes back
+                self.busy = worker_busy(scope.ring.counters)  # (the counters' pages go back too)
+                scope.retire(scope.held(), control=True)
         finally:
-            if self.ring is not None:
-                self.ring.close()
+            if scope is not None:
+                scope.ring.close()  # (idempotent)
             self.doorbell.close()

@@ -33,17 +33,18 @@ import mmap
 import os
 import threading
 import weakref
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from shmloader._errors import MemoryBudgetError
-from shmloader.main import device as _device
-from shmloader.main.lease import Where
-from shmloader.main.scheduler import Scheduler, SlotState
+from shmloader.main.scheduler import SlotState
 from shmloader.wire.layout import PAGE, grown_slot_bytes, round_up
 from shmloader.wire.ring import Ring
 from shmloader.wire.shm import Mapping, create_memfd
+
+if TYPE_CHECKING:
+    from shmloader.main.scope import RingScope
 
 
 class LoaderMemory:
@@ -123,16 +124,15 @@ class OverflowBroker:
     """Overflow memory for the tasks of one iterator: grants under ``memory_budget``, and the
     growth of the ring's slots that oversized batches ask for.
 
-    A grant belongs to its slot's task: it is taken by the delivered batch (``take``; the
-    arena frees it when the batch's last view dies) or dropped with its task (``drop``: stale
-    epoch, dead worker, error), exactly once."""
+    A grant belongs to its slot's task, and so to the ring's scope (``RingScope.grants``): it is
+    taken by the delivered batch (``RingScope.take``; freed when the batch's last view dies) or
+    dropped with its task (``RingScope.drop``: stale epoch, dead worker, error), exactly once."""
 
     def __init__(self, memory: LoaderMemory, budget: int | None, in_order: bool, loader: weakref.ref[Any]) -> None:
         self.memory = memory
         self.budget = budget
         self.in_order = in_order
         self._loader = loader  # (weakly: an iterator never keeps its loader alive)
-        self.grants: dict[int, tuple[Mapping, int]] = {}  # slot -> (mapping, bytes) granted to its task
         self.grow_to: int | None = None  # a larger slot size, taken up once the ring drains
         self.growth_declined = False  # memory_budget had no room to grow; overflow carries large batches
         self.awaiting_room = False  # a grant waits for memory_budget: freed memory rings the doorbell
@@ -143,26 +143,10 @@ class OverflowBroker:
         if loader is not None:
             loader._shm_batch_bytes = max(loader._shm_batch_bytes or 0, nbytes)
 
-    def where(self, slot: int) -> Where | None:
-        """Where the result of ``slot``'s task lies when it was granted overflow memory."""
-        granted = self.grants.get(slot)
-        return None if granted is None else (granted[0], 0, granted[1])
-
-    def take(self, slot: int, base: np.ndarray[Any, Any]) -> None:
-        """The batch of ``slot`` was delivered from its grant: the memory is freed once ``base``
-        (which every view of the batch keeps alive) dies."""
-        self.memory.lend(base, self.grants.pop(slot)[1])
-
-    def drop(self, slot: int) -> None:
-        """``slot``'s task is gone undelivered: its grant, if any, is freed."""
-        granted = self.grants.pop(slot, None)
-        if granted is not None:
-            self.memory.free(granted[1])
-
-    def new_epoch(self, sched: Scheduler) -> None:
+    def new_epoch(self, scope: RingScope | None) -> None:
         """Results the new epoch dropped (their slots FREE) give their grants back."""
-        for slot in [s for s in self.grants if sched.state_of(s) == SlotState.FREE]:
-            self.drop(slot)
+        if scope is not None:
+            scope.drop_free()
         self.growth_declined = False
 
     def want_growth(self, nbytes: int, slot_bytes: int) -> None:
@@ -174,76 +158,81 @@ class OverflowBroker:
             return
         self.grow_to = max(self.grow_to or 0, target)
 
+    def take_growth(self) -> int:
+        """The slot size the ring grows to now (asked for by ``want_growth``); asked no more."""
+        size, self.grow_to = self.grow_to, None
+        assert size is not None
+        return size
+
     def room_beside(self, ring: Ring, nbytes: int) -> bool:
         """Whether ``memory_budget`` leaves room beside ``ring`` for a batch of ``nbytes`` in
         memory of its own: tasks are posted ``own`` only then, or a batch that fits a slot would
         ask for memory it can never have."""
         return self.budget is None or ring.geometry.total_bytes + round_up(nbytes, PAGE) <= self.budget
 
-    def requested(self, slot: int, needed: int, own: bool, sched: Scheduler, ring: Ring, send: Callable[..., Any],
-                  pinned: bool, staging: bool) -> None:
+    def requested(self, scope: RingScope, slot: int, needed: int, own: bool) -> None:
         """``slot``'s worker asks for ``needed`` bytes of overflow memory (its result is published
         NEED_MEMORY): it waits for a grant (``grant`` runs at once), and the ring grows once it
         drains, unless the task was posted ``own`` (the batch may well fit a slot: the user holds
         them); a stale epoch's request is answered "drop"."""
+        sched = scope.sched
         task = sched.task_of(slot)
         assert task is not None
         if not sched.overflowed(slot, needed):
-            send(task.worker, slot, 0, -1)  # a stale epoch's batch: drop it
+            scope.answer_memory(task.worker, slot, 0)  # a stale epoch's batch: drop it
             return
         if not own:
-            self.want_growth(needed, ring.data_bytes)
-        self.grant(sched, ring, send, pinned, staging)
+            self.want_growth(needed, scope.ring.data_bytes)
+        self.grant(scope)
 
-    def grant(self, sched: Scheduler, ring: Ring, send: Callable[..., Any], pinned: bool, staging: bool) -> None:
+    def grant(self, scope: RingScope) -> None:
         """Give waiting workers their overflow memory, lowest sequence number first, while
-        ``memory_budget`` has room; the rest wait (backpressure). ``send(worker, slot, size, fd)``
-        answers a worker. Under a budget with in-order delivery, a batch gets memory only once
-        every batch before it has its memory or fits a slot, so the budget is never taken by a
-        batch that cannot be delivered yet."""
+        ``memory_budget`` has room; the rest wait (backpressure). Under a budget with in-order
+        delivery, a batch gets memory only once every batch before it has its memory or fits a
+        slot, so the budget is never taken by a batch that cannot be delivered yet."""
         self.awaiting_room = False
+        sched = scope.sched
         for slot in sched.waiting():
             task = sched.task_of(slot)
             assert task is not None
             if task.epoch != sched.epoch:
                 sched.drop(slot)
-                send(task.worker, slot, 0, -1)
+                scope.answer_memory(task.worker, slot, 0)
                 continue
             size = round_up(task.needed, PAGE)
-            if self.budget is not None and self.in_order and self._earlier_may_overflow(sched, task.seq):
+            if self.budget is not None and self.in_order and self._earlier_may_overflow(scope, task.seq):
                 return  # granting out of order could give an undeliverable later batch the room
-            room = self._room_for(sched, ring, task.seq, size, staging)
+            room = self._room_for(scope, task.seq, size)
             if room is None:  # only the batches the caller holds could make room: a copy, not a hang
                 sched.set_idle(slot)
                 sched.granted(slot)
-                send(task.worker, slot, -1)
+                scope.answer_memory(task.worker, slot, -1)
                 continue
             if not room:
                 self.awaiting_room = True
                 return
             fd, mm = self.memory.allocate(size)
             try:
-                if pinned:
-                    _device.register_host(mm, size)
+                scope.grant(slot, mm, size)
                 sched.set_idle(slot)  # before the worker can publish again
                 sched.granted(slot)
-                self.grants[slot] = (mm, size)
-                send(task.worker, slot, size, fd)
+                scope.answer_memory(task.worker, slot, size, fd)
             finally:
                 os.close(fd)
 
-    def _earlier_may_overflow(self, sched: Scheduler, seq: int) -> bool:
+    def _earlier_may_overflow(self, scope: RingScope, seq: int) -> bool:
         """Whether a task of this epoch before ``seq`` is still being made without overflow
         memory (it may yet ask for some)."""
+        sched = scope.sched
         for slot in sched.tasks():
             task = sched.task_of(slot)
             assert task is not None
-            if (sched.state_of(slot) == SlotState.IN_FLIGHT and slot not in self.grants
+            if (sched.state_of(slot) == SlotState.IN_FLIGHT and slot not in scope.grants
                     and task.epoch == sched.epoch and task.seq < seq):
                 return True
         return False
 
-    def _room_for(self, sched: Scheduler, ring: Ring, seq: int, size: int, staging: bool) -> bool | None:
+    def _room_for(self, scope: RingScope, seq: int, size: int) -> bool | None:
         """Whether ``memory_budget`` has room for ``size`` more bytes now. None when it has not
         and only the caller could make room (the batches it holds) while it waits for this very
         batch: that batch then comes as a pickled copy. Raises when it never will have room
@@ -251,7 +240,8 @@ class OverflowBroker:
         budget = self.budget
         if budget is None:
             return True
-        g = ring.geometry
+        sched = scope.sched
+        g = scope.ring.geometry
         if g.total_bytes + size > budget:
             if size <= g.data_bytes:  # it fits a slot (an own task's): never an error, a copy
                 return None
@@ -274,4 +264,4 @@ class OverflowBroker:
                          for slot, task in tasks.items())
             can_dispatch = sched.n_free and not sched.exhausted and self.grow_to is None and unblocked
             wanted_next = not sched.n_ready and not moving and not can_dispatch
-        return None if wanted_next and not self.grants and not staging else False
+        return None if wanted_next and not scope.grants and scope.stager is None else False

@@ -3,12 +3,12 @@
 The iterator's steps (``main.iterator``) never wait themselves: they yield a *wait request* and
 are resumed once it is fulfilled. This module fulfils the three kinds, two ways:
 
-- ``READY``: a published slot. Sync: yield the CPU and look again a few times
+- ``("ready", scope)``: a published slot of the scope's ring. Sync: yield the CPU and look again a few times
   (``YieldWait``), then check the workers and the timeout, then sleep on the ready semaphore
   for at most ``CHECK_S``. Async: the doorbell eventfd (workers write it while the doorbell
   flag in the segment is set) and the workers' process sentinels, on the running event loop.
-- ``COPY``: the oldest device copy. Sync: its CUDA event, synchronized. Async: its event
-  queried from the loop at growing intervals.
+- ``("copy", scope)``: the oldest device copy out of the scope's ring. Sync: its CUDA event,
+  synchronized. Async: its event queried from the loop at growing intervals.
 - ``("conns", workers)``: a message on those workers' connections (start-up, a grown ring).
 
 A token taken from the ready semaphore while waiting is banked in the scheduler (a token
@@ -24,13 +24,10 @@ from multiprocessing import connection as mp_connection
 from typing import Any, Callable
 
 from shmloader._stats import Counters
-from shmloader.main.delivery import Delivery
 from shmloader.main.lifecycle import Lifecycle
-from shmloader.main.scheduler import Scheduler
+from shmloader.main.scope import RingScope
 from shmloader.wire.ring import YieldWait
 
-READY = ("ready",)
-COPY = ("copy",)
 CHECK_S = 0.25  # how often a blocked sync wait checks worker liveness
 
 
@@ -40,10 +37,8 @@ class Waiter:
     None). (Passed per call: held here, they would make a reference cycle through the iterator,
     which must die, and stop its workers, as soon as it is dropped.)"""
 
-    def __init__(self, life: Lifecycle, sched: Scheduler, delivery: Delivery, counters: Counters) -> None:
+    def __init__(self, life: Lifecycle, counters: Counters) -> None:
         self.life = life
-        self.sched = sched
-        self.delivery = delivery
         self.counters = counters
         self.yields = YieldWait()  # a sync next()'s, before it sleeps on the ready semaphore
 
@@ -56,18 +51,19 @@ class Waiter:
             self.counters.blocked_s += time.perf_counter() - began
 
     def _block(self, request: tuple[Any, ...], check: Callable[[], None], deadline: float | None) -> None:
-        if request is COPY:
-            self.delivery.reap(block=True)
+        kind = request[0]
+        if kind == "copy":
+            request[1].reap(block=True)
             return
-        if request is READY:
-            ring = self.life.ring
-            assert ring is not None
+        if kind == "ready":
+            scope: RingScope = request[1]
+            ring = scope.ring
             if self.yields(ring.mm, ring.ready_sem):
-                self.sched.bank_token()
+                scope.sched.bank_token()
                 return
             check()  # only before sleeping: a batch that came while yielding needs no waitpid
             if ring.take_ready(self.sleep_s(deadline)):  # a signal's handler (Ctrl-C) raises through it
-                self.sched.bank_token()
+                scope.sched.bank_token()
             return
         pool = self.life.pool
         mp_connection.wait([pool.conns[w] for w in request[1]] + pool.sentinels, self.sleep_s(deadline))
@@ -88,21 +84,22 @@ class Waiter:
             self.counters.blocked_s += time.perf_counter() - began
 
     async def _wait(self, request: tuple[Any, ...], check: Callable[[], None], deadline: float | None) -> None:
-        if request is COPY:
-            await self._copy(check)
+        kind = request[0]
+        if kind == "copy":
+            await self._copy(request[1], check)
             return
         life = self.life
         loop = asyncio.get_running_loop()
         ring = None
-        if request is READY:
+        if kind == "ready":
             check()
-            ring = life.ring
-            assert ring is not None
+            scope: RingScope = request[1]
+            ring = scope.ring
             ring.want_doorbell(True)  # workers ring the doorbell only while we wait on it
             life.doorbell.drain()  # before the last look, so a post after the look still wakes us
             if ring.take_ready(0):
                 ring.want_doorbell(False)
-                self.sched.bank_token()
+                scope.sched.bank_token()
                 return
             fds = [life.doorbell.fd]
         else:
@@ -129,12 +126,12 @@ class Waiter:
             if ring is not None and not life.stopped:
                 ring.want_doorbell(False)
 
-    async def _copy(self, check: Callable[[], None]) -> None:
+    async def _copy(self, scope: RingScope, check: Callable[[], None]) -> None:
         """Wait for the oldest device copy without blocking the event loop: its CUDA event is
         queried from the loop, at intervals that grow from 50 µs to 2 ms (a copy of a large
         batch takes milliseconds; a small one is seen at once). Dead workers and the timeout
         are checked meanwhile."""
-        stager = self.delivery.stager
+        stager = scope.stager
         assert stager is not None
         delay = 50e-6
         while stager.copying and not stager.copying[0][0].query():

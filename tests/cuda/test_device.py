@@ -36,8 +36,8 @@ def test_a_slot_is_not_reused_while_its_copy_is_in_flight() -> None:
     it = iter(loader)
     for i in range(200):
         batch = next(it)
-        assert it._delivery.stager is not None
-        with torch.cuda.stream(it._delivery.stager.stream):
+        assert it._life.scope.stager is not None
+        with torch.cuda.stream(it._life.scope.stager.stream):
             torch.cuda._sleep(2_000_000)  # delay the copies still to come
         torch.cuda._sleep(1_000_000)  # and a slow consumer stream
         check_blocks(batch, 2 * i, device="cuda")

@@ -33,13 +33,13 @@ def owners_are_unique(it: RingIterator) -> None:
     """Each slot has exactly one owner: the table says which state it is in (``check``), a LENT
     slot is the user's (a lease, or one released and not yet taken back) and nothing else
     claims it, and overflow grants and piped batches belong to slots that hold a task."""
-    sched, delivery, broker = it._sched, it._delivery, it._broker
+    sched, delivery, scope = it._sched, it._delivery, it._life.scope
     sched.check()
     lent = {s for s in range(sched.num_slots) if sched.state(s) is SlotState.LENT}
-    leased, released = set(delivery.leases.bases), set(delivery.leases.released)
+    leased, released = set(scope.leases.bases), set(scope.leases.released)
     assert leased | released == lent and not leased & released, (lent, leased, released)
     with_task = set(sched.tasks())
-    assert set(broker.grants) <= with_task and set(delivery.piped) <= with_task
+    assert set(scope.grants) <= with_task and set(delivery.piped) <= with_task
 
 
 class IteratorMachine(RuleBasedStateMachine):

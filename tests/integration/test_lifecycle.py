@@ -43,16 +43,16 @@ def test_batches_are_views_of_the_ring_and_return_when_dropped() -> None:
     loader = shmloader.DataLoader(Range(64), batch_size=4, num_workers=2)
     it = iter(loader)
     a = next(it)
-    ring = it._life.ring
+    ring = it.ring
     base = ring.bytes.__array_interface__["data"][0]
     ptr = a.untyped_storage().data_ptr()
     assert base <= ptr < base + ring.geometry.total_bytes
-    assert it.holding() == 1
+    assert it.held_count() == 1
     view = a[1:]  # a view keeps the slot too
     del a
-    assert it.holding() == 1
+    assert it.held_count() == 1
     del view
-    assert it.holding() == 0
+    assert it.held_count() == 0
     rest = [b.clone() for b in it]
     assert len(rest) == 15
 
@@ -61,9 +61,9 @@ def test_release_returns_a_slot_now() -> None:
     loader = shmloader.DataLoader(Range(64), batch_size=4, num_workers=2)
     it = iter(loader)
     batch = next(it)
-    assert it.holding() == 1
+    assert it.held_count() == 1
     assert loader.release({"x": [batch]}) == 1
-    assert it.holding() == 0
+    assert it.held_count() == 0
     with pytest.raises(ValueError, match=r"this batch was already released .*slot 0.*release a batch once"):
         loader.release(batch)
     assert loader.release(torch.zeros(3)) == 0  # not ours
@@ -79,15 +79,15 @@ def test_a_second_release_never_takes_a_later_batchs_slot() -> None:
     assert loader.release(first) == 1
     for n in range(1, 6):  # until a batch arrives in first's slot (the fifth: 4 were in flight)
         later = next(it)
-        if slot_of(it._life.ring, later) == 0:
+        if slot_of(it.ring, later) == 0:
             break
-    assert slot_of(it._life.ring, later) == 0 and slot_of(it._life.ring, first) == 0
+    assert slot_of(it.ring, later) == 0 and slot_of(it.ring, first) == 0
     for _ in range(2):
         with pytest.raises(ValueError, match="already released"):
             loader.release(first)
         with pytest.raises(ValueError, match="already released"):
             loader.release([first[1:], later])  # a view of it counts; nothing else in the call is released
-    assert it.holding() == 1
+    assert it.held_count() == 1
     check_blocks(later, 4 * n)
     rest = [next(it) for _ in range(8)]  # the workers write on: the held batch stays as it was
     for k, batch in enumerate([later, *rest]):
@@ -144,13 +144,13 @@ def test_release_finds_tensors_wherever_the_batch_holds_them() -> None:
     loader = shmloader.DataLoader(Range(64), batch_size=4, num_workers=2)
     it = iter(loader)
     batches = [next(it) for _ in range(3)]
-    assert it.holding() == 3
+    assert it.held_count() == 3
     holder = types.SimpleNamespace(fn=lambda: 0, inner={"pair": (1, [batches[0]])})
     assert loader.release(holder) == 1
     assert loader.release({"set": {batches[1]}, "text": "x", "n": 3}) == 1
     with pytest.raises(TypeError, match=r"cannot look inside itertools.count at batch\['it'\].*pass those tensors"):
         loader.release({"it": itertools.count(), "x": batches[2]})
-    assert it.holding() == 1
+    assert it.held_count() == 1
     assert loader.release(batches[2]) == 1
     del batches, holder, it
 
@@ -170,7 +170,7 @@ def test_holding_every_small_batch_never_deadlocks_and_the_rest_are_copied(in_or
     assert [b.tolist() for b in kept] == want[:60] if in_order else set(map(str, (b.tolist() for b in kept))) <= set(map(str, want))
     slots = 2 * 2 + 1
     lent_most = slots - 2  # every worker keeps a slot to write into
-    assert it.holding() == lent_most
+    assert it.held_count() == lent_most
     stats = loader.stats()
     assert stats.copies == 60 - lent_most and stats.overflow_batches == 0 and stats.ring_growths == 0
     copied = [b for b in kept if slot_of(it.ring, b) is None]  # type: ignore[arg-type]
@@ -212,7 +212,7 @@ def test_holding_every_batch_of_a_mib_never_deadlocks_and_the_rest_come_in_memor
     assert [b.tolist() for b in kept] == want if in_order else sorted(b.tolist() for b in kept) == want
     slots = 2 * 2 + 1  # num_workers * prefetch_factor, and one for the batch in hand
     lent_most = slots - 2  # every worker keeps a slot to write into
-    assert it.holding() == lent_most
+    assert it.held_count() == lent_most
     stats = loader.stats()
     copies = slots - lent_most  # the batch that found the ring held, and the one in flight beside it
     assert stats.copies == copies and stats.overflow_batches == 100 - lent_most - copies
@@ -549,7 +549,7 @@ def test_no_wait_ends_by_its_timeout(timed_out: list[float], persistent: bool, i
 def every_task_published(it: Any) -> None:
     """Return once every task in flight is published (a condition on the ring, not a sleep), so
     the consumer's next round finds all of them at once."""
-    ring, sched = it._life.ring, it._sched
+    ring, sched = it.ring, it._sched
     while any(sched.state_of(s) == SlotState.IN_FLIGHT and _native.load_acquire(ring.mm, ring.state_offsets[s]) != DONE
               for s in sched.tasks()):
         os.sched_yield()
@@ -565,7 +565,7 @@ def test_the_round_that_takes_the_last_shards_end_ends_the_epoch(timed_out: list
     it = iter(shmloader.DataLoader(Shards(90), in_order=in_order, **kw))
     got = []
     while True:
-        if it._life.ring is not None:
+        if it.ring is not None:
             every_task_published(it)
         try:
             got.append(next(it).tolist())
@@ -580,7 +580,7 @@ def test_async_for_ends_the_epoch_when_the_last_shard_ends() -> None:
         it = aiter(shmloader.DataLoader(Shards(90), batch_size=4, num_workers=2))
         got = []
         while True:
-            if it._life.ring is not None:
+            if it.ring is not None:
                 every_task_published(it)
             try:
                 got.append((await asyncio.wait_for(anext(it), 60)).tolist())  # a guard: it hung

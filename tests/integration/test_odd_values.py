@@ -232,15 +232,15 @@ def test_a_storage_is_a_zero_copy_leased_view_of_its_slot() -> None:
     it = iter(loader)
     storage = next(it)
     assert isinstance(storage, torch.UntypedStorage) and bytes(storage) == bytes(torch.zeros(4, dtype=torch.int64).numpy())
-    ring = it._life.ring
+    ring = it.ring
     assert ring is not None
     origin = ring.bytes.__array_interface__["data"][0]
     assert origin <= storage.data_ptr() < origin + ring.geometry.total_bytes  # in the ring: not a copy
-    assert it.holding() == 1  # the storage holds its slot...
+    assert it.held_count() == 1  # the storage holds its slot...
     kept = next(it)
-    assert it.holding() == 2
+    assert it.held_count() == 2
     del storage
-    assert it.holding() == 1 and bytes(kept) == bytes(torch.ones(4, dtype=torch.int64).numpy())  # ...until dropped
+    assert it.held_count() == 1 and bytes(kept) == bytes(torch.ones(4, dtype=torch.int64).numpy())  # ...until dropped
     it._shutdown_workers()
 
 
@@ -334,6 +334,6 @@ def test_a_row_of_a_large_tensor_does_not_bring_the_whole_tensor() -> None:
     try:
         rows = [next(it) for _ in range(5)]
         assert [r[0].tolist() for r in rows] == [table[i].tolist() for i in range(5)]
-        assert it._life.ring is not None and it._life.ring.geometry.data_bytes < table.numel() * 4
+        assert it.ring is not None and it.ring.geometry.data_bytes < table.numel() * 4
     finally:
         it._shutdown_workers()

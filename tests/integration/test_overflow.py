@@ -300,7 +300,7 @@ def test_a_worker_dead_unseen_when_the_ring_grows_is_replaced_on_the_new_ring() 
     victim = it._life.pool.procs[0]
     os.kill(victim.pid, signal.SIGKILL)
     victim.join()
-    it._broker.grow_to = 2 * it._life.ring.geometry.data_bytes  # what a batch too large for its slot asks for
+    it._broker.grow_to = 2 * it.ring.geometry.data_bytes  # what a batch too large for its slot asks for
     for batch, expected in zip(loader, want, strict=True):
         same(batch, expected)
     assert loader.stats().ring_growths == 1 and loader.stats().worker_restarts == 1

@@ -95,7 +95,7 @@ def _grow_next_epoch(loader: shmloader.DataLoader[Any]) -> Any:
     for its slot asks), after one full epoch."""
     it = iter(loader)
     list(it)
-    it._broker.grow_to = 2 * it._life.ring.geometry.data_bytes
+    it._broker.grow_to = 2 * it.ring.geometry.data_bytes
     return it
 
 
@@ -151,7 +151,7 @@ def test_async_for_cancelled_while_the_ring_grows_goes_on_on_the_new_ring(monkey
     assert cancelled and len(got) == len(want)
     for batch, expected in zip(got, want):
         same(batch, expected)
-    assert it._life.ring is made[-1] and it._sched.num_slots == it._life.ring.geometry.num_slots
+    assert it.ring is made[-1] and it._sched.num_slots == it.ring.geometry.num_slots
     assert made[0].fd == -1  # the old ring is closed
     assert loader.stats().ring_growths == 1
     it._shutdown_workers()

@@ -132,13 +132,13 @@ def test_persistent_workers_survive_epochs_and_early_break() -> None:
     same(list(loader), want)
     it = iter(loader)
     pids = [p.pid for p in it._life.pool.procs]
-    segment = it._life.ring.segment
+    segment = it.ring.segment
     for i, batch in enumerate(loader):
         if i == 2:
             break
     same(list(loader), want)
     again = iter(loader)
-    assert again is it and [p.pid for p in it._life.pool.procs] == pids and it._life.ring.segment == segment
+    assert again is it and [p.pid for p in it._life.pool.procs] == pids and it.ring.segment == segment
     del again, it
     loader._iterator._shutdown_workers()
 

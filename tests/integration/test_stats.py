@@ -69,7 +69,7 @@ def test_memory_budget_shrinks_the_ring_and_batches_stay_right() -> None:
                                   memory_budget=budget)
     it = iter(loader)
     got = [next(it)]
-    ring = it._life.ring
+    ring = it.ring
     assert ring is not None and ring.geometry.total_bytes <= int(2.5 * 2**20)
     assert 2 <= ring.geometry.num_slots < 8
     got += list(it)

@@ -51,11 +51,11 @@ def test_a_dropped_batch_returns_its_slot_once() -> None:
     leases = Consumer()
     b = base()
     leases.lend(0, b)
-    assert leases.holding() == 1
+    assert leases.held_count() == 1
     del b
-    assert leases.holding() == 0
+    assert leases.held_count() == 0
     assert leases.take_returned() == [0] and leases.take_returned() == []
-    assert leases.lent == set()
+    assert not leases.bases and not leases.released
 
 
 def test_release_then_drop_returns_once() -> None:
@@ -63,7 +63,7 @@ def test_release_then_drop_returns_once() -> None:
     b = base()
     leases.lend(0, b)
     assert leases.release(0) is True and leases.release(0) is False
-    assert leases.holding() == 0
+    assert leases.held_count() == 0
     del b  # its callback's entry is stale now
     assert leases.take_returned() == [0] and leases.take_returned() == []
 
@@ -74,7 +74,7 @@ def test_drop_then_release_before_the_consumer_looks_returns_once() -> None:
     leases.lend(0, b)
     del b
     leases.release(0)
-    assert leases.take_returned() == [0] and leases.lent == set()
+    assert leases.take_returned() == [0] and not leases.bases and not leases.released
 
 
 def test_a_stale_return_never_takes_back_the_slot_lent_again() -> None:
@@ -86,7 +86,7 @@ def test_a_stale_return_never_takes_back_the_slot_lent_again() -> None:
     new = base()
     leases.lend(0, new)  # the same slot, a new batch
     del old  # the first batch's views go now: its return is stale
-    assert leases.take_returned() == [] and leases.holding() == 1
+    assert leases.take_returned() == [] and leases.held_count() == 1
     del new
     assert leases.take_returned() == [0]
 
@@ -121,7 +121,7 @@ def test_batches_dropped_by_other_threads_come_back_exactly_once() -> None:
         t.join()
     gc.collect()
     taken += leases.take_returned()
-    assert sorted(taken) == list(range(n)) and leases.holding() == 0 and leases.lent == set()
+    assert sorted(taken) == list(range(n)) and leases.held_count() == 0 and not leases.bases and not leases.released
 
 
 def test_a_view_of_a_view_keeps_the_slot_lent() -> None:
@@ -135,9 +135,9 @@ def test_a_view_of_a_view_keeps_the_slot_lent() -> None:
     del b
     part = tensor[1:].numpy()[::2]
     del tensor
-    assert leases.holding() == 1 and leases.take_returned() == []
+    assert leases.held_count() == 1 and leases.take_returned() == []
     del part
-    assert leases.take_returned() == [0] and leases.holding() == 0
+    assert leases.take_returned() == [0] and leases.held_count() == 0
 
 
 @pytest.mark.parametrize(
@@ -147,8 +147,8 @@ def test_a_view_of_a_view_keeps_the_slot_lent() -> None:
 def test_most_lent_leaves_every_worker_a_slot_and_a_one_batch_loop_its_next(slots: int, workers: int, most: int) -> None:
     import types
 
-    from shmloader.main.delivery import Delivery
+    from shmloader.main.scope import RingScope
 
-    delivery = Delivery.__new__(Delivery)
-    delivery.sched = types.SimpleNamespace(num_slots=slots, num_workers=workers)  # type: ignore[assignment]
-    assert delivery.most_lent() == most
+    scope = RingScope.__new__(RingScope)
+    scope.sched = types.SimpleNamespace(num_slots=slots, num_workers=workers)  # type: ignore[assignment]
+    assert scope.most_lent() == most

@@ -70,7 +70,7 @@ def test_device_delivery_survives_worker_kills(fake_cuda: FakeStream, monkeypatc
     it = iter(loader)
     n = 0
     for n, batch in enumerate(it, 1):
-        assert it._delivery.stager is not None
+        assert it._life.scope.stager is not None
         check_blocks(batch.clone(), 8 * (n - 1))  # a CPU "copy" views the slot: check it at once
         if rng.random() < 0.1:
             os.kill(rng.choice([p.pid for p in it._life.pool.procs if p.exitcode is None]), signal.SIGKILL)

@@ -4,11 +4,12 @@ before it sleeps (README, "async for" section)."""
 from __future__ import annotations
 
 import mmap
+import types
 
 from shmloader import _native
 from shmloader._stats import Counters
 from shmloader.main.scheduler import Scheduler
-from shmloader.main.wait import READY, Waiter
+from shmloader.main.wait import Waiter
 from shmloader.wire.ring import YieldWait
 
 SEM = 64  # the ready semaphore's offset in the test's buffer
@@ -23,13 +24,9 @@ class Ring:
         _native.sem_init(self.mm, SEM)
 
 
-class Life:
-    def __init__(self) -> None:
-        self.ring = Ring()
-
-
-def waiter() -> Waiter:
-    return Waiter(Life(), Scheduler(1, 1), None, Counters())  # type: ignore[arg-type]
+def scope() -> types.SimpleNamespace:
+    """What a wait for a ready slot reads of the current ring's scope."""
+    return types.SimpleNamespace(ring=Ring(), sched=Scheduler(1, 1))
 
 
 def no_sleep() -> None:
@@ -52,12 +49,13 @@ def test_misses_halve_the_bound_down_to_its_floor_and_a_hit_restores_it() -> Non
 
 
 def test_a_token_taken_while_yielding_is_banked_for_the_step() -> None:
-    w = waiter()
-    mm = w.life.ring.mm
+    w = Waiter(None, Counters())  # type: ignore[arg-type]
+    current = scope()
+    mm = current.ring.mm
     _native.sem_post(mm, SEM)
     _native.sem_post(mm, SEM)
-    w.block(READY, no_sleep, None)
-    assert w.sched.banked == 1  # one token banked (a token means "look for DONE slots")...
+    w.block(("ready", current), no_sleep, None)
+    assert current.sched.banked == 1  # one token banked (a token means "look for DONE slots")...
     assert _native.sem_wait(mm, SEM, 0) and not _native.sem_wait(mm, SEM, 0)  # ...the other left
 
 
