@@ -43,14 +43,30 @@ import dataclasses
 import itertools
 import weakref
 from collections import deque
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
-from torch.utils.data.dataloader import _DatasetKind
 
+from shmloader import _torch_private as torch_private
 from shmloader._errors import ShmLoaderError, StateMismatchError
 from shmloader._state_layout import EpochStart, Plan, Progress, holds_position, state_dict_of
 from shmloader.worker.produce import has_state
+
+
+class Progressing(Protocol):
+    """An iterator that says where its epoch is (both of shmloader's)."""
+
+    def progress(self) -> Progress: ...
+
+
+class Checkpointed(Progressing, Protocol):
+    def checkpoint(self) -> tuple[Progress, int]:
+        """``progress()`` at the latest snapshot, and the batches consumed since."""
+
+
+class Consuming(Protocol):
+    def consumed_below(self) -> int:
+        """Every batch of the epoch below this one was consumed."""
 
 
 def state_of(obj: Any) -> Any:
@@ -84,16 +100,16 @@ class Snapshots:
 
     __slots__ = ("every", "taken")
 
-    def __init__(self, every: int | None, it: Any) -> None:
+    def __init__(self, every: int | None, it: Progressing) -> None:
         self.every = every or 0
         self.taken: Progress | None = None if self.every == 1 else it.progress()
 
-    def stepped(self, it: Any, consumed: int) -> None:
+    def stepped(self, it: Progressing, consumed: int) -> None:
         if self.every > 1 and consumed % self.every == 0:
             self.taken = it.progress()
 
-    def checkpoint(self, it: Any) -> tuple[Progress, int]:
-        live: Progress = it.progress()
+    def checkpoint(self, it: Progressing) -> tuple[Progress, int]:
+        live = it.progress()
         if self.taken is None or live.finished:
             return live, 0
         return self.taken, live.consumed - self.taken.consumed
@@ -155,11 +171,10 @@ class Skipping:
                 return index
 
 
-def pulled_from(it: Any, sampler_iter: Any) -> Any:
-    """Ring iterator ``it``'s ``sampler_iter``: a stateful sampler's wrapped in ``SamplerPulls``,
-    whose floor is ``it.consumed_below()`` (read without holding ``it``)."""
-    index_sampler = it._index_sampler
-    if it._dataset_kind == _DatasetKind.Iterable or not stateful_sampler(index_sampler, sampler_iter):
+def pulled_from(index_sampler: Any, sampler_iter: Any, iterable: bool, it: Consuming) -> Any:
+    """A ring iterator's ``sampler_iter`` (of ``index_sampler``): a stateful sampler's wrapped in
+    ``SamplerPulls``, whose floor is ``it.consumed_below()`` (read without holding ``it``)."""
+    if iterable or not stateful_sampler(index_sampler, sampler_iter):
         return sampler_iter
     ref = weakref.ref(it)
 
@@ -169,9 +184,9 @@ def pulled_from(it: Any, sampler_iter: Any) -> Any:
     return SamplerPulls(index_sampler, sampler_iter, 0, floor)
 
 
-def sampler_states(it: Any, consumed: int) -> tuple[Any, Any]:
-    pulls = it._sampler_iter
-    pulls = pulls.source if isinstance(pulls, Skipping) else pulls
+def sampler_states(sampler_iter: Any, consumed: int) -> tuple[Any, Any]:
+    """A stateful sampler's (iterator, index sampler) states after the ``consumed``-th pull."""
+    pulls = sampler_iter.source if isinstance(sampler_iter, Skipping) else sampler_iter
     return pulls.at(consumed) if isinstance(pulls, SamplerPulls) else (None, None)
 
 
@@ -179,14 +194,14 @@ def stateful_sampler(index_sampler: Any, sampler_iter: Any) -> bool:
     return has_state(index_sampler) or has_state(sampler_iter)
 
 
-def position(it: Any, plan: Plan, iterable: bool, rng: Callable[[], None] | None) -> None:
-    """Put a resumed epoch's new iterator where ``plan``'s snapshot was (see the NOTE, steps 2-3):
-    its sampler, then the RNG (``rng``; None: its caller puts it back later), then how many
-    batches it has yielded."""
+def position(index_sampler: Any, sampler_iter: Any, plan: Plan, iterable: bool,
+             rng: Callable[[], None] | None) -> Any:
+    """Where a resumed epoch's new iterator goes on from ``plan``'s snapshot (see the NOTE, steps
+    2-3): its sampler iterator (``sampler_iter``, of ``index_sampler``, put where the snapshot
+    was; returned), then the RNG (``rng``; None: its caller puts it back later)."""
     if not iterable:
-        index_sampler = it._index_sampler
-        pulls = it._sampler_iter if isinstance(it._sampler_iter, SamplerPulls) else None
-        inner = it._sampler_iter if pulls is None else pulls.it
+        pulls = sampler_iter if isinstance(sampler_iter, SamplerPulls) else None
+        inner = sampler_iter if pulls is None else pulls.it
         if stateful_sampler(index_sampler, inner) and plan.sampler_states != (None, None):
             inner = restore_sampler(index_sampler, inner, plan)
         else:
@@ -202,10 +217,10 @@ def position(it: Any, plan: Plan, iterable: bool, rng: Callable[[], None] | None
         if pulls is not None:
             pulls.start(inner, plan.below)  # (counting the epoch's tasks, those skipped below too)
         source = inner if pulls is None else pulls
-        it._sampler_iter = Skipping(source, plan.below, plan.ahead) if plan.ahead else source
+        sampler_iter = Skipping(source, plan.below, plan.ahead) if plan.ahead else source
     if rng is not None:
         rng()
-    it._num_yielded = plan.step if plan_keeps_position(plan, it._dataset, iterable) else 0
+    return sampler_iter
 
 
 _DONE = object()
@@ -236,8 +251,8 @@ def carry_into_next_epoch(loader: Any, plan: Plan, persistent: bool) -> None:
     the new iterator does it, before its epoch's ``iter()`` of the sampler); with
     ``num_workers=0`` the dataset (the loader's own) loads its state, and its iterator's is
     loaded into an ``iter(dataset)`` made for it."""
-    if not persistent and loader._dataset_kind != _DatasetKind.Iterable:
-        carry_sampler(loader._index_sampler, plan)
+    if not persistent and not torch_private.is_iterable(loader):
+        carry_sampler(torch_private.index_sampler(loader), plan)
     if plan.num_workers:
         return
     dataset = loader.dataset
@@ -248,6 +263,14 @@ def carry_into_next_epoch(loader: Any, plan: Plan, persistent: bool) -> None:
         it = iter(dataset)
         if has_state(it):
             it.load_state_dict(fetcher_state["dataset_iter_state"])
+
+
+def snapshots_of(plan: Plan | None) -> Callable[[int], tuple[bytes, bool]]:
+    """Worker -> its snapshot in ``plan`` (b"": none, or no plan), and whether it was taken after
+    that worker's epoch ended: where each worker of a resumed iterator starts."""
+    if plan is None:
+        return lambda worker: (b"", False)
+    return lambda worker: (plan.workers.get(worker, b""), plan.done(worker))
 
 
 def plan_keeps_position(plan: Plan, dataset: Any, iterable: bool) -> bool:
@@ -269,15 +292,15 @@ class _Epoch:
 
     __slots__ = ("ref", "held", "last")
 
-    def __init__(self, it: Any) -> None:
+    def __init__(self, it: Checkpointed) -> None:
         self.ref = weakref.ref(it)
-        self.held: Any = None
+        self.held: Checkpointed | None = None
         self.last: tuple[Progress, int] | BaseException | None = None  # (an exception: it failed to say)
 
     def checkpoint(self) -> tuple[Progress, int] | None:
         it = self.ref()
         if it is not None:
-            return it.checkpoint()  # type: ignore[no-any-return]
+            return it.checkpoint()
         if isinstance(self.last, BaseException):
             raise ShmLoaderError("the epoch's iterator could not say where it was when it was dropped, so "
                                  "there is no state to take") from self.last
@@ -298,8 +321,8 @@ def begin_epoch(loader: Any, torch_iter: Callable[[], Any]) -> Any:
     """``iter(loader)`` for a loader that records its epochs (a shmloader.DataLoader, or torchdata's
     StatefulDataLoader under ``install(stateful_dataloader=True)``): record where the epoch
     begins, or begin it where a loaded state says; ``torch_iter`` is torch's ``__iter__``."""
-    if getattr(loader._iterator, "shut_down", False):
-        loader._iterator = None  # an error stopped the persistent workers: start afresh
+    if getattr(torch_private.kept_iterator(loader), "shut_down", False):
+        torch_private.keep_iterator(loader, None)  # an error stopped the persistent workers: start afresh
     persistent = loader.persistent_workers and loader.num_workers > 0
     generator = loader.generator
     plan = None if loader._shm_resume is None else Plan.of(loader._shm_resume)
@@ -312,7 +335,7 @@ def begin_epoch(loader: Any, torch_iter: Callable[[], Any]) -> Any:
     if plan is None:
         previous = loader._shm_epoch_start
         start = EpochStart(0 if previous is None else previous.epoch + 1, rng_state(generator),
-                           fresh=not (persistent and loader._iterator is not None))
+                           fresh=not (persistent and torch_private.kept_iterator(loader) is not None))
     elif not plan.started:  # taken before the loader's first iter(): that epoch, from the RNG (NOTE, 0)
         start = EpochStart(plan.epoch, rng_state(generator), fresh=True)
         plan = None
@@ -342,11 +365,11 @@ def _begun(loader: Any, torch_iter: Callable[[], Any], start: EpochStart, plan: 
         loader._shm_resume_seed = None
         loader._shm_resume_plan = None
     if start.fresh or start.base_seed is None:
-        start.base_seed = getattr(it, "_base_seed", None)
+        start.base_seed = torch_private.base_seed(it)
     loader._shm_epoch_start = start
     epoch = _epochs[loader] = _Epoch(it)
     if hasattr(it, "last_words"):  # a ring iterator: say how far it got when it dies
-        def last_words(dying: Any) -> None:
+        def last_words(dying: Checkpointed) -> None:
             try:
                 epoch.last = dying.checkpoint()
             except Exception as error:  # (a state_dict() of this epoch then says so, never a wrong state)
@@ -355,7 +378,7 @@ def _begun(loader: Any, torch_iter: Callable[[], Any], start: EpochStart, plan: 
     else:
         epoch.held = it
     if plan is not None:
-        for _ in range(replayed(plan, loader.dataset, loader._dataset_kind == _DatasetKind.Iterable)):
+        for _ in range(replayed(plan, loader.dataset, torch_private.is_iterable(loader))):
             if next(it, _DONE) is _DONE:
                 break
         after = getattr(it, "after_replay", None)
@@ -403,9 +426,8 @@ def load_loader_state(loader: Any, state: dict[str, Any]) -> None:
     if plan is not None and plan.foreign and plan.num_workers == loader.num_workers:  # (another count: at iter())
         raise ValueError("this state was taken by torchdata's own StatefulDataLoader iterator: resume it "
                          "without shmloader.install(stateful_dataloader=True), or take it under install()")
-    if loader._iterator is not None and hasattr(loader._iterator, "_shutdown_workers"):
-        loader._iterator._shutdown_workers()  # a persistent iterator cannot be rewound
-    loader._iterator = None
+    torch_private.shutdown_workers(torch_private.kept_iterator(loader))  # a persistent one cannot be rewound
+    torch_private.keep_iterator(loader, None)
     if plan is None:  # torchdata's: an empty state changes nothing
         loader._shm_resume = None
         return

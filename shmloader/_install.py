@@ -20,17 +20,17 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.utils.data
 
 from shmloader import _checkpoint
+from shmloader import _torch_private as torch_private
 from shmloader._loader import DataLoader, attach_options, check_options, created, stats_of
 from shmloader._stats import LoaderStats
 from shmloader.main.iterator import RingIterator
 
-_TORCH_GET_ITERATOR: Callable[[Any], Any] = torch.utils.data.DataLoader._get_iterator
 _options: dict[str, Any] | None = None
 _stateful = False  # install(stateful_dataloader=True): torchdata's StatefulDataLoader opted in
 # StatefulDataLoader's own methods, while install(stateful_dataloader=True) replaces them.
@@ -70,7 +70,7 @@ def uninstall() -> None:
     _options = None
     _opt_in_stateful(False)
     if not len(_origins):
-        torch.utils.data.DataLoader._get_iterator = _TORCH_GET_ITERATOR  # type: ignore[method-assign, assignment]
+        torch_private.route_get_iterator(torch_private.TORCH_GET_ITERATOR)
 
 
 def _opt_in_stateful(on: bool) -> None:
@@ -150,7 +150,7 @@ created.append(remember)
 
 
 def _watch() -> None:
-    torch.utils.data.DataLoader._get_iterator = _get_iterator  # type: ignore[method-assign, assignment]
+    torch_private.route_get_iterator(_get_iterator)
 
 
 def _origin(loader: Any) -> list[Any] | None:
@@ -179,13 +179,13 @@ def is_installed() -> bool:
 
 def _get_iterator(loader: Any) -> Any:
     if loader.num_workers == 0 or isinstance(loader, DataLoader):
-        return _TORCH_GET_ITERATOR(loader)
+        return torch_private.TORCH_GET_ITERATOR(loader)
     origin = _origin(loader)
     if _options is None:
         if origin is not None and not origin[2]:
             origin[2] = True
             _warn_lost()
-        return _TORCH_GET_ITERATOR(loader)
+        return torch_private.TORCH_GET_ITERATOR(loader)
     if getattr(loader, "_shm_counters", None) is None:
         attach_options(loader, **(origin[1] if origin is not None else _options))
     loader.check_worker_number_rationality()

@@ -16,7 +16,8 @@ import pickle
 from typing import Any
 
 import torch
-from torch.utils.data.dataloader import _DatasetKind
+
+from shmloader import _torch_private as torch_private
 
 VERSION = 2
 OWN = "_shmloader"  # shmloader's part of a state dict
@@ -155,7 +156,7 @@ def state_dict_of(loader: Any, start: EpochStart, mark: tuple[Progress, int], no
     ``started``: its first ``iter()`` was called."""
     progress, since = mark
     num_workers = loader.num_workers
-    iterable = loader._dataset_kind == _DatasetKind.Iterable
+    iterable = torch_private.is_iterable(loader)
     below = progress.consumed if progress.below < 0 else progress.below
     own = {"version": VERSION, "epoch": start.epoch, "fresh": start.fresh, "rng_start": encode_rng(start.rng),
            "rng_now": encode_rng(now), "pulled": 0 if iterable else progress.pulled, "below": below,
@@ -166,7 +167,7 @@ def state_dict_of(loader: Any, start: EpochStart, mark: tuple[Progress, int], no
         "_sampler_iter_state": iter_state,
         "_index_sampler_state": sampler_state,
         "_sampler_iter_yielded": below,
-        "_IterableDataset_len_called": loader._IterableDataset_len_called,
+        "_IterableDataset_len_called": torch_private.len_said(loader),
         "_shared_seed": None,
     }
     if num_workers == 0:

@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 import torch
 
+from shmloader import _torch_private as torch_private
+
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -434,6 +436,4 @@ def _spin(seconds: float) -> None:
 def _close(loader: Any) -> None:
     if hasattr(loader, "close"):  # the bare ring
         loader.close()
-    it = getattr(loader, "_iterator", None)
-    if it is not None and hasattr(it, "_shutdown_workers"):
-        it._shutdown_workers()
+    torch_private.shutdown_workers(torch_private.kept_iterator(loader))

@@ -37,7 +37,9 @@ class InProcessIterator(_SingleProcessDataLoaderIter):
             put_back = _checkpoint.resume_rng(loader, plan)
             if _checkpoint.replayed(plan, self._dataset, self._iterable):
                 self.after_replay = put_back
-            _checkpoint.position(self, plan, self._iterable, None if self.after_replay else put_back)
+            self._sampler_iter = _checkpoint.position(self._index_sampler, self._sampler_iter, plan, self._iterable,
+                                                      None if self.after_replay else put_back)
+            self._num_yielded = plan.step if _checkpoint.plan_keeps_position(plan, self._dataset, self._iterable) else 0
             self._pulled = plan.below
         dataset_state, fetcher_state = (None, None) if plan is None else plan.in_process
         dataset: Any = self._dataset

@@ -38,10 +38,11 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 from shmloader import _checkpoint, _state_layout
 from shmloader._errors import CorruptSlotError, StopCarrier, WorkerReplacedWarning, raise_worker_error
 from shmloader._stats import Counters, RingOccupancy, occupancy
+from shmloader._torch_private import iterator_parts
 from shmloader.main.delivery import Delivery
 from shmloader.main.dispatch import batches_of
 from shmloader.main.lease import leaves_of, read_pickled, slot_of
-from shmloader.main.lifecycle import Lifecycle, RingSettings, live
+from shmloader.main.lifecycle import Lifecycle, RingSettings
 from shmloader.main.overflow import OverflowBroker
 from shmloader.main.resume import RingCheckpoint
 from shmloader.main.scheduler import Scheduler, Step
@@ -90,8 +91,8 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
         plan: _state_layout.Plan | None = loader._shm_resume_plan
         self._delivery = Delivery(self._sched, self._broker, self._counters, self._iterable or has_state(self._dataset),
                                   seqs=not loader.in_order and not self._iterable)  # (consumed: not a prefix)
-        configs = worker_configs(self, loader.worker_init_fn, int(self._base_seed), PARENT_CHECK_S,
-                                 {} if plan is None else plan.workers, (lambda w: False) if plan is None else plan.done)
+        configs = worker_configs(iterator_parts(self), loader.worker_init_fn, int(self._base_seed), PARENT_CHECK_S,
+                                 _checkpoint.snapshots_of(plan))
         settings = RingSettings(
             loader.multiprocessing_context or torch.multiprocessing, configs, loader.slot_bytes,
             loader.prefetch_factor, loader._shm_memory_budget,
@@ -99,7 +100,6 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
             loader._shm_device, loader.device_prefetch, loader.max_worker_restarts)
         self._life = Lifecycle(settings, self._sched, self._delivery, self._broker, self._counters)
         self._waiter = Waiter(self._life, self._counters)
-        live.add(self)
         # (in_order=False: always its state now; batches made again after a snapshot would not be
         # the ones consumed, whichever came first)
         self._every = getattr(loader, "snapshot_every_n_steps", 1) if loader.in_order else 1
@@ -113,7 +113,8 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
 
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)
-        self._sampler_iter = _checkpoint.pulled_from(self, batches_of(self._index_sampler, self._sampler_iter))
+        batches = batches_of(self._index_sampler, self._sampler_iter)
+        self._sampler_iter = _checkpoint.pulled_from(self._index_sampler, batches, self._iterable, self)
         self._pulled_before = 0  # batches of indices a resume drew before this iterator's first dispatch
         self.finished = False  # this epoch's StopIteration was raised
         self._failed_batches = 0
@@ -434,8 +435,9 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
 
     def __del__(self) -> None:
         last_words = getattr(self, "last_words", None)
+        life = getattr(self, "_life", None)
         try:
-            if last_words is not None:
+            if last_words is not None and not (life is not None and life.at_exit):
                 self.last_words = None
                 last_words(self)
         finally:

@@ -84,18 +84,18 @@ class Probing(NamedTuple):
     index: Any
     proc: Any
     epoch: int
-live: weakref.WeakSet[Any] = weakref.WeakSet()  # iterators whose workers may run (RingIterator adds itself)
+_live: weakref.WeakSet[Lifecycle] = weakref.WeakSet()  # lifecycles whose workers may run (each adds itself)
 
 
 @atexit.register
 def _stop_at_exit() -> None:
     """At interpreter exit, before modules are torn down (an iterator a module still holds,
     a persistent one most often, would otherwise be collected after the modules it needs):
-    stop every live iterator's workers; its last words (its progress, for a checkpoint) are
-    not wanted any more."""
-    for it in list(live):
-        it.last_words = None
-        it._shutdown_workers()
+    stop every live iterator's workers. Its last words (its progress, for a checkpoint) are
+    not wanted any more: ``at_exit`` says so."""
+    for life in list(_live):
+        life.at_exit = True
+        life.shutdown()
 
 
 def _room_freed(broker: weakref.ref[OverflowBroker], doorbell: Doorbell) -> bool:
@@ -134,6 +134,8 @@ class Lifecycle:
         # meanwhile is answered and dropped.
         self.probing: Probing | None = None
         self.busy: tuple[float, ...] | None = None  # each worker's busy share when they stopped
+        self.at_exit = False  # stopped as the interpreter exits
+        _live.add(self)
 
     # -------------------------------------------------------------- start
     def start(self, sampler: Any, batch_bytes: int | None, check: Callable[[], None],

@@ -19,6 +19,8 @@ class RingCheckpoint:
     _iterable: bool
     _num_workers: int
     _num_yielded: int
+    _index_sampler: Any
+    _sampler_iter: Any
     _failed_batches: int
     _pulled_before: int  # batches of indices a resume drew before this iterator's first dispatch
     _snapshots: _checkpoint.Snapshots
@@ -33,7 +35,8 @@ class RingCheckpoint:
             return  # (its epoch ended, or it is made again from its start)
         self._sched.resume_after(plan.active(self._num_workers), plan.last_worker if loader.in_order else None)
         self._pulled_before = plan.below
-        _checkpoint.position(self, plan, self._iterable, None)
+        self._sampler_iter = _checkpoint.position(self._index_sampler, self._sampler_iter, plan, self._iterable, None)
+        self._num_yielded = plan.step
 
     def progress(self) -> _state_layout.Progress:
         """Where this epoch is, for a checkpoint: batches consumed (yielded, or raised), and each
@@ -43,7 +46,8 @@ class RingCheckpoint:
         dispatched = self._sched.send_seq
         pulled = self._pulled_before + dispatched if seqs is None else seqs.original(dispatched)
         return self._delivery.progress(consumed, self.finished, pulled,
-                                       _checkpoint.sampler_states(self, consumed if seqs is None else seqs.below))
+                                       _checkpoint.sampler_states(self._sampler_iter,
+                                                                  consumed if seqs is None else seqs.below))
 
     def consumed_below(self) -> int:
         """Every batch of the epoch below this one was consumed."""

@@ -23,8 +23,8 @@ import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data._utils import collate as torch_collate
 from torch.utils.data._utils import worker as torch_worker
-from torch.utils.data.dataloader import _DatasetKind
 
+from shmloader._torch_private import IteratorParts, numpy_seed, set_worker_info
 from shmloader.wire.layout import Status
 from shmloader.worker.collate import SlotWriter
 
@@ -54,30 +54,31 @@ class WorkerConfig:
     dataset_state_done: bool = False
 
 
-def worker_configs(it: Any, worker_init_fn: Callable[[int], None] | None, base_seed: int, parent_check_s: float,
-                   dataset_states: dict[int, bytes], done: Callable[[int], bool]) -> list[WorkerConfig]:
-    """One config per worker of ``it`` (a torch ``_BaseDataLoaderIter``: its dataset, collate and
-    counts), each starting from its snapshot in ``dataset_states`` (a checkpoint's; ``done(w)``:
-    taken after that worker's epoch ended)."""
-    return [
-        WorkerConfig(
+def worker_configs(parts: IteratorParts, worker_init_fn: Callable[[int], None] | None, base_seed: int,
+                   parent_check_s: float, snapshots: Callable[[int], tuple[bytes, bool]]) -> list[WorkerConfig]:
+    """One config per worker of an iterator (``parts``: its dataset, collate and counts), each
+    starting from its snapshot, ``snapshots(w)``: a checkpoint's (b"": none), and whether it was
+    taken after that worker's epoch ended."""
+    configs = []
+    for i in range(parts.num_workers):
+        snapshot, done = snapshots(i)
+        configs.append(WorkerConfig(
             worker_id=i,
-            num_workers=it._num_workers,
-            dataset=it._dataset,
-            iterable=it._dataset_kind == _DatasetKind.Iterable,
-            auto_collation=it._auto_collation,
-            collate_fn=it._collate_fn,
-            drop_last=it._drop_last,
+            num_workers=parts.num_workers,
+            dataset=parts.dataset,
+            iterable=parts.iterable,
+            auto_collation=parts.auto_collation,
+            collate_fn=parts.collate_fn,
+            drop_last=parts.drop_last,
             base_seed=base_seed,
             worker_init_fn=worker_init_fn,
             parent_pid=os.getpid(),
             parent_check_s=parent_check_s,
-            dataset_state=dataset_states.get(i, b""),
+            dataset_state=snapshot,
             dataset_state_epoch=0,  # (the iterator's first epoch: a worker given no task in it starts anew after)
-            dataset_state_done=done(i),
-        )
-        for i in range(it._num_workers)
-    ]
+            dataset_state_done=done,
+        ))
+    return configs
 
 
 class Outcome(NamedTuple):  # one per batch: a tuple is the cheapest to make
@@ -244,10 +245,9 @@ def init(cfg: WorkerConfig) -> ExceptionWrapper | None:
     seed = cfg.base_seed + cfg.worker_id
     random.seed(seed)
     torch.manual_seed(seed)
-    np.random.seed(torch_worker._generate_state(cfg.base_seed, cfg.worker_id))  # type: ignore[no-untyped-call]
-    torch_worker._worker_info = torch_worker.WorkerInfo(
-        id=cfg.worker_id, num_workers=cfg.num_workers, seed=seed, dataset=cfg.dataset
-    )
+    np.random.seed(numpy_seed(cfg.base_seed, cfg.worker_id))
+    set_worker_info(torch_worker.WorkerInfo(id=cfg.worker_id, num_workers=cfg.num_workers, seed=seed,
+                                            dataset=cfg.dataset))
     where = f"in DataLoader worker process {cfg.worker_id}"
     try:
         if cfg.worker_init_fn is not None:

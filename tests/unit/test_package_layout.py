@@ -2,7 +2,12 @@
 ``shmloader/main`` (the training process) or ``shmloader/worker`` (a worker); the worker imports
 nothing of the training process; no module of the package imports itself back through others.
 Read from the source (every import statement, those inside functions included), and by
-importing the worker's entry point in a fresh interpreter."""
+importing the worker's entry point in a fresh interpreter.
+
+And the seams with torch: its DataLoader's private attributes are read (or replaced) only in
+``shmloader/_torch_private.py``; elsewhere only as ``self``'s own, in the classes that inherit
+them. No parameter named for an iterator or a loader is typed ``Any`` in the modules that reach
+ours (the checkpoint, the lifecycle): they go through typed interfaces."""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ import ast
 import pathlib
 import subprocess
 import sys
+
+import torch.utils.data.dataloader
 
 import shmloader
 
@@ -101,3 +108,57 @@ def test_a_worker_process_loads_nothing_of_the_training_process() -> None:
 def test_the_public_names_are_the_packages() -> None:
     for name in shmloader.__all__:
         assert getattr(shmloader, name) is not None, name
+
+
+def torch_private_names() -> set[str]:
+    """Every private attribute and method torch's DataLoader and its iterators have (read from
+    torch's ``dataloader.py``: what its classes set on ``self`` and the methods they define)."""
+    tree = ast.parse(pathlib.Path(torch.utils.data.dataloader.__file__).read_text())
+    names = set()
+    for cls in (node for node in tree.body if isinstance(node, ast.ClassDef)):
+        for node in ast.walk(cls):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+                names.add(node.attr)
+            elif isinstance(node, ast.FunctionDef):
+                names.add(node.name)
+    return {name for name in names if name.startswith("_") and not name.startswith("__")}
+
+
+# (module, name): another library's attribute of the same name, not torch's
+NOT_TORCHS = {("shmloader/_bench/loaders.py", "_shutdown")}  # torchdata.nodes' iterators'
+
+
+def test_torchs_private_attributes_are_read_in_one_adapter_module() -> None:
+    private = torch_private_names()
+    assert {"_index_sampler", "_dataset_kind", "_iterator", "_num_yielded", "_shutdown_workers"} <= private
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE.parent).as_posix()
+        if where == "shmloader/_torch_private.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            named, owner = None, None
+            if isinstance(node, ast.Attribute):
+                named, owner = node.attr, node.value
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id in ("getattr", "setattr", "hasattr") and len(node.args) > 1
+                  and isinstance(node.args[1], ast.Constant)):
+                named, owner = node.args[1].value, node.args[0]
+            own = isinstance(owner, ast.Name) and owner.id in ("self", "cls")
+            inherited = isinstance(owner, ast.Call) and ast.unparse(owner) == "super()"
+            if named in private and not own and not inherited and (where, named) not in NOT_TORCHS:
+                found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    assert found == []
+
+
+def test_the_seams_to_the_iterator_are_typed() -> None:
+    for module in ("_checkpoint.py", "main/lifecycle.py", "main/scope.py", "main/resume.py"):
+        tree = ast.parse((PACKAGE / module).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for arg in node.args.args:
+                    if arg.arg in ("it", "iterator", "dying", "life") and arg.annotation is not None:
+                        assert ast.unparse(arg.annotation) != "Any", f"{module}: {node.name}({arg.arg}: Any)"
+        for node in ast.walk(tree):  # (a set of iterators typed Any let the lifecycle call into them)
+            if isinstance(node, ast.Subscript) and ast.unparse(node.value).endswith("WeakSet"):
+                assert ast.unparse(node.slice) != "Any", module
