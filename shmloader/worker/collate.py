@@ -84,13 +84,13 @@ class SlotWriter:
         self._stacked: tuple[int, torch.Size, torch.dtype, torch.Tensor] | None = None  # set by _stack_into_slot
         # (mapping, offset, capacity) where finish writes the batch's description (skeleton,
         # leaf table, dataset state), at offsets from there; None: after the leaves
-        self._apart: tuple[Any, int, int] | None = None
+        self._description: tuple[Any, int, int] | None = None
 
     def describe_in(self, mm: Any, offset: int, capacity: int) -> None:
         """Have ``finish`` write the batch's description (skeleton, leaf table, dataset state)
         at ``offset`` of ``mm``, in ``capacity`` bytes, not after the leaves: the leaves' memory
         then holds the leaves only (``Region.LEAVES``)."""
-        self._apart = (mm, offset, capacity)
+        self._description = (mm, offset, capacity)
 
     def _leaf(self, code: int, kind: int, itemsize: int, shape: tuple[int, ...]) -> Any:
         """An uninitialised leaf in the slot (in private memory once the batch overflowed)."""
@@ -243,27 +243,27 @@ class SlotWriter:
         rest apart); when that exceeds the slot's capacity nothing usable was written and the
         caller reports the size.
         """
-        leaves, apart = self.leaves, self._apart
+        leaves, description = self.leaves, self._description
         if len(leaves) == 1 and batch is self._keep[0]:  # the common single-tensor batch
-            if not dataset_state and self.fits and apart is None:
+            if not dataset_state and self.fits and description is None:
                 return self._finish_lone(leaves[0], batch)
             skeleton: bytes | memoryview = LONE_LEAF
         else:
             buf = io.BytesIO()
             _LeafPickler(buf, self).dump(batch)
             skeleton = buf.getbuffer()
-        self.pickled_off = round_up(0 if apart else self.used, 8)
+        self.pickled_off = round_up(0 if description else self.used, 8)
         self.pickled_len = len(skeleton)
         self.table_off = round_up(self.pickled_off + self.pickled_len, 8)
         self.table_len = table_bytes(leaf[3] for leaf in self.leaves)
         self.dataset_state_off = round_up(self.table_off + self.table_len, 8)
         self.dataset_state_len = len(dataset_state)
         end = self.dataset_state_off + self.dataset_state_len
-        if apart is None:
+        if description is None:
             mm, base, needed = self._mm, self.data_off, end
             fits = self.fits and end <= self.capacity
         else:
-            (mm, base, room), needed = apart, self.used
+            (mm, base, room), needed = description, self.used
             fits = self.fits and end <= room
         if not fits:
             self.fits = False

@@ -28,7 +28,7 @@ import struct
 import sys
 import time
 from multiprocessing import reduction
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from torch._utils import ExceptionWrapper
@@ -64,10 +64,44 @@ def _rebuild_fd(dup: Any) -> InheritedFd:
     return InheritedFd(dup.detach())
 
 
-def _publish(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWriter, outcome: Outcome,
-             epoch: int, seq: int, doorbell: int, region: Region = Region.SLOT, shard_end: bytes = b"") -> None:
-    """``shard_end``: with an end of shard, the worker's snapshot then (``Producer.snapshot``),
-    written where an error's pickle goes when it fits the slot."""
+class TaskAt(NamedTuple):
+    """The task a result is published for: its slot, epoch and seq, and whether it was posted
+    ``own`` (the consumer holds the rest of the ring: its batch goes into memory of its own)."""
+
+    slot: int
+    epoch: int
+    seq: int
+    own: bool = False
+
+
+class Publisher:
+    """A worker's way to publish results into the ring it is attached to: its worker id, its
+    connection (for overflow memory), and the doorbell an ``async for`` waits on."""
+
+    __slots__ = ("ring", "worker_id", "mailbox", "doorbell")
+
+    def __init__(self, ring: AttachedRing, worker_id: int, mailbox: Mailbox, doorbell: int) -> None:
+        self.ring = ring
+        self.worker_id = worker_id
+        self.mailbox = mailbox
+        self.doorbell = doorbell
+
+    def publish(self, at: TaskAt, writer: SlotWriter, outcome: Outcome, region: Region = Region.SLOT,
+                shard_end: bytes = b"") -> None:
+        """Publish ``outcome`` for the task ``at``, as ``writer`` laid it out in ``region``.
+        ``shard_end``: with an end of shard, the worker's snapshot then (``Producer.snapshot``),
+        written where an error's pickle goes when it fits the slot."""
+        _publish(self, at, writer, outcome, region, shard_end)
+
+    def publish_result(self, at: TaskAt, writer: SlotWriter, outcome: Outcome, batch: Any,
+                       dataset_state: bytes) -> bool:
+        """Publish ``outcome``; a batch that did not fit takes the overflow path. False: stop."""
+        return _publish_result(self, at, writer, outcome, batch, dataset_state)
+
+
+def _publish(to: Publisher, at: TaskAt, writer: SlotWriter, outcome: Outcome, region: Region,
+             shard_end: bytes) -> None:
+    ring, slot = to.ring, at.slot
     if outcome.status is _OK:
         table_off, table_len = writer.table_off, writer.table_len
         pickled_off, pickled_len = writer.pickled_off, writer.pickled_len
@@ -82,11 +116,11 @@ def _publish(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWrite
             pickled_len = len(shard_end)
     # The result fields from STATUS on, in field order (see _layout.Field); DONE is stored after
     # them with release ordering, then the ready semaphore is posted.
-    results = (outcome.status, cfg.worker_id, table_off, table_len, pickled_off, pickled_len, outcome.needed,
-               epoch, seq, dataset_state_off, dataset_state_len, region)
+    results = (outcome.status, to.worker_id, table_off, table_len, pickled_off, pickled_len, outcome.needed,
+               at.epoch, at.seq, dataset_state_off, dataset_state_len, region)
     if ring.publish(slot, results):  # an async for waits: ring its doorbell too
         try:
-            os.write(doorbell, _ONE)
+            os.write(to.doorbell, _ONE)
         except OSError:
             pass  # the main process closed the doorbell: it is shutting down
 
@@ -183,30 +217,27 @@ class Mailbox:
         return self._kept.pop((kind, slot))
 
 
-def _deliver(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWriter, outcome: Outcome, batch: Any,
-             dataset_state: bytes, epoch: int, seq: int, mailbox: Mailbox, doorbell: int, own: bool) -> bool:
-    """Publish ``outcome``; a batch that did not fit takes the overflow path. False: stop.
-
-    A batch of a task posted ``own`` (the consumer holds the rest of the ring) asks for its
-    leaves' bytes only, and is described (skeleton, leaf table, dataset state) in its slot's
-    data region, which it does not otherwise use (``Region.LEAVES``): a batch of whole pages
-    then costs exactly its pages, as torch's does."""
+def _publish_result(to: Publisher, at: TaskAt, writer: SlotWriter, outcome: Outcome, batch: Any,
+                    dataset_state: bytes) -> bool:
+    """``Publisher.publish_result``. A batch of a task posted ``own`` (the consumer holds the rest
+    of the ring) asks for its leaves' bytes only, and is described (skeleton, leaf table, dataset
+    state) in its slot's data region, which it does not otherwise use (``Region.LEAVES``): a
+    batch of whole pages then costs exactly its pages, as torch's does."""
     if outcome.status is not _NEED_MEMORY:
-        _publish(ring, slot, cfg, writer, outcome, epoch, seq, doorbell,
-                 shard_end=dataset_state if outcome.status is Status.STOP else b"")
+        to.publish(at, writer, outcome, shard_end=dataset_state if outcome.status is Status.STOP else b"")
         return True
+    ring, slot, where = to.ring, at.slot, f"in DataLoader worker process {to.worker_id}"
     measure = SlotWriter(None)  # exactly what a fresh writer will need (leaf order included)
     try:
         needed = measure.finish(batch, dataset_state)
     except Exception:  # it was measured once already; whatever fails now is this batch's error
-        error = Outcome(Status.ERROR, error=wrap(where=f"in DataLoader worker process {cfg.worker_id}"))
-        _publish(ring, slot, cfg, writer, error, epoch, seq, doorbell)
+        to.publish(at, writer, Outcome(Status.ERROR, error=wrap(where=where)))
         return True
     leaf_bytes = measure.used
-    apart = own and 0 < leaf_bytes and needed - round_up(leaf_bytes, 8) <= ring.data_bytes
-    asked = leaf_bytes if apart else needed
-    _publish(ring, slot, cfg, writer, Outcome(Status.NEED_MEMORY, needed=asked), epoch, seq, doorbell)
-    reply = mailbox.expect(Memory, slot)
+    leaves_only = at.own and 0 < leaf_bytes and needed - round_up(leaf_bytes, 8) <= ring.data_bytes
+    asked = leaf_bytes if leaves_only else needed
+    to.publish(at, writer, Outcome(Status.NEED_MEMORY, needed=asked))
+    reply = to.mailbox.expect(Memory, slot)
     if reply is None:
         return False
     size, fd = reply[0].size, reply[1]
@@ -216,11 +247,10 @@ def _deliver(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWrite
         try:
             payload = pickle.dumps((batch, dataset_state), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:
-            error = Outcome(Status.ERROR, error=wrap(where=f"in DataLoader worker process {cfg.worker_id}"))
-            _publish(ring, slot, cfg, writer, error, epoch, seq, doorbell)
+            to.publish(at, writer, Outcome(Status.ERROR, error=wrap(where=where)))
             return True
-        _publish(ring, slot, cfg, writer, Outcome(Status.OK, needed=len(payload)), epoch, seq, doorbell, Region.PIPE)
-        mailbox.conn.send_bytes(payload)  # after publishing: the consumer reads as we write
+        to.publish(at, writer, Outcome(Status.OK, needed=len(payload)), Region.PIPE)
+        to.mailbox.conn.send_bytes(payload)  # after publishing: the consumer reads as we write
         return True
     try:
         mm = mmap.mmap(fd, size)
@@ -228,7 +258,7 @@ def _deliver(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWrite
         os.close(fd)
     overflow = SlotWriter(mm)
     overflow.begin(0, size)
-    if apart:
+    if leaves_only:
         overflow.describe_in(ring.mm, ring.data_offsets[slot], ring.data_bytes)
     try:
         overflow.finish(batch, dataset_state)
@@ -236,12 +266,12 @@ def _deliver(ring: AttachedRing, slot: int, cfg: WorkerConfig, writer: SlotWrite
             raise RuntimeError(f"the batch measured {asked:,} bytes, then needed more than the {size:,} granted")
         outcome = Outcome(Status.OK, needed=asked)
     except Exception:
-        outcome = Outcome(Status.ERROR, error=wrap(where=f"in DataLoader worker process {cfg.worker_id}"))
+        outcome = Outcome(Status.ERROR, error=wrap(where=where))
     # The overflow writer's layout, not the slot writer's: their leaves can come in another order
     # (default collate stacks some leaves before the skeleton is pickled, which adds the rest).
     written = outcome.status is Status.OK
-    region = (Region.LEAVES if apart else Region.OVERFLOW) if written else Region.SLOT
-    _publish(ring, slot, cfg, overflow if written else writer, outcome, epoch, seq, doorbell, region)
+    region = (Region.LEAVES if leaves_only else Region.OVERFLOW) if written else Region.SLOT
+    to.publish(at, overflow if written else writer, outcome, region)
     del overflow, mm  # unmapped once the writer's views are gone; the consumer keeps its own mapping
     return True
 
@@ -324,8 +354,8 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
             except Exception:  # the first batch could be measured but not written: its error
                 outcome = Outcome(Status.ERROR, error=wrap(where=f"in DataLoader worker process {cfg.worker_id}"))
                 batch = None
-        if not _deliver(ring, pending_slot, cfg, writer, outcome, batch, dataset_state, epoch, seq, mailbox, doorbell,
-                        False):
+        if not Publisher(ring, cfg.worker_id, mailbox, doorbell).publish_result(
+                TaskAt(pending_slot, epoch, seq), writer, outcome, batch, dataset_state):
             return
     # The probe's private copy of the first batch (the writer keeps its leaves too): not for
     # the worker's whole life.
@@ -365,6 +395,7 @@ def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: Producer, mailbox: M
     (the setup connection only for what does not fit: overflow memory, a grown ring)."""
     writer = SlotWriter(ring.mm)
     fn_map = slot_collate_map(writer)
+    publisher = Publisher(ring, cfg.worker_id, mailbox, doorbell)
     while True:
         task = ring.take_task(cfg.parent_check_s)
         if task is None:
@@ -381,6 +412,7 @@ def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: Producer, mailbox: M
             ring = grown
             writer = SlotWriter(ring.mm)
             fn_map = slot_collate_map(writer)
+            publisher = Publisher(ring, cfg.worker_id, mailbox, doorbell)
             continue
         slot, epoch, seq, index, own = task
         if index is None:  # the pickled index did not fit the slot: it came over the connection
@@ -406,7 +438,7 @@ def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: Producer, mailbox: M
         counters[_BUSY_NS] += spent
         counters[_BATCHES] += 1
         state = producer.dataset_state
-        if not _deliver(ring, slot, cfg, writer, outcome, batch, state, epoch, seq, mailbox, doorbell, own):
+        if not publisher.publish_result(TaskAt(slot, epoch, seq, own), writer, outcome, batch, state):
             return
         del batch
         if spent > LONG_BATCH_NS:
