@@ -54,7 +54,8 @@ def install(*, slot_bytes: int | None = None, device: str | torch.device | None 
     ``stateful_dataloader=True`` opts torchdata's ``StatefulDataLoader`` in as well: its
     ``state_dict()`` is then shmloader's (a state taken under torchdata's own iterator is
     refused with a ValueError). Calling it again replaces the options for loaders iterated
-    from then on."""
+    from then on. (Its parameters are shmloader's options, keyword-only, as DataLoader takes
+    them.)"""
     global _options
     check_options(slot_bytes=slot_bytes, device_prefetch=device_prefetch, max_worker_restarts=max_worker_restarts)
     _options = dict(slot_bytes=slot_bytes, device=device, device_prefetch=device_prefetch,

@@ -38,7 +38,8 @@ def attach_options(loader: Any, *, slot_bytes: int | None = None, device: str | 
                    max_worker_restarts: int = 3) -> None:
     """Give ``loader`` (a shmloader.DataLoader, or torch's own under ``shmloader.install()``)
     shmloader's options as attributes (public ones, so frameworks that re-create a loader from
-    its attributes keep them) and what its ring iterators read and write."""
+    its attributes keep them) and what its ring iterators read and write. (Its parameters are
+    shmloader's options, keyword-only, as DataLoader takes them.)"""
     check_options(slot_bytes=slot_bytes, device_prefetch=device_prefetch, max_worker_restarts=max_worker_restarts)
     if loader.num_workers > 0:
         _accel.warn_if_off()  # (its workers would stack with torch.stack: said once, at the user's line)
@@ -170,6 +171,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         memory_budget: int | str | None = None,
         max_worker_restarts: int = 3,
     ) -> None:
+        """torch's DataLoader arguments, names and defaults as torch has them, then shmloader's
+        options, keyword-only (README, "Features"). (As many parameters as torch's: drop-in.)"""
         super().__init__(
             dataset,
             batch_size=batch_size,

@@ -41,7 +41,8 @@ def plan_ring(
     memory_budget: int | None,
     in_use: int = 0,
 ) -> RingGeometry:
-    """The ring for these settings.
+    """The ring for these settings. (Six parameters: each a figure of its own, a pure function
+    the tests call with each.)
 
     Without a budget: ``num_workers * prefetch_factor`` slots for the batches prefetched
     (torch's meaning) and one for the batch in the caller's hands, so that holding it never

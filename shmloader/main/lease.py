@@ -167,6 +167,9 @@ class _LeafUnpickler(pickle.Unpickler):
 
 
 def _span(hdr: memoryview, off_field: int, len_field: int, cap: int, what: str, slot: int) -> tuple[int, int]:
+    """The (offset, length) header ``hdr`` gives ``what`` in fields ``off_field``, ``len_field``,
+    checked against the ``cap`` bytes of slot ``slot``'s data. (Six parameters: the header
+    fields and what the error names, kept apart so the per-batch path builds no tuple.)"""
     off, length = hdr[off_field], hdr[len_field]
     if off < 0 or length < 0 or off > cap or length > cap - off:
         raise CorruptSlotError(
@@ -203,6 +206,8 @@ def read_dataset_state(ring: Ring, slot: int, where: Where | None = None) -> byt
 
 
 def _read(ring: Ring, slot: int, where: Where | None, off_field: int, len_field: int, what: str) -> bytes:
+    """The bytes of ``what`` (header fields ``off_field``, ``len_field``) of ``slot``'s result,
+    read from ``where`` it lies. (Six parameters: ``_span``'s, for its two callers.)"""
     mm, data_off, cap = described_at(ring, slot, where)
     off, length = _span(ring.headers[slot], off_field, len_field, cap, what, slot)
     return mm[data_off + off : data_off + off + length]  # type: ignore[no-any-return]

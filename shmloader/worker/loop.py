@@ -91,38 +91,88 @@ class Publisher:
         """Publish ``outcome`` for the task ``at``, as ``writer`` laid it out in ``region``.
         ``shard_end``: with an end of shard, the worker's snapshot then (``Producer.snapshot``),
         written where an error's pickle goes when it fits the slot."""
-        _publish(self, at, writer, outcome, region, shard_end)
+        ring, slot = self.ring, at.slot
+        if outcome.status is _OK:
+            table_off, table_len = writer.table_off, writer.table_len
+            pickled_off, pickled_len = writer.pickled_off, writer.pickled_len
+            dataset_state_off, dataset_state_len = writer.dataset_state_off, writer.dataset_state_len
+        else:
+            table_off = table_len = pickled_off = pickled_len = dataset_state_off = dataset_state_len = 0
+            if outcome.status is Status.ERROR or outcome.status is Status.INIT_ERROR:
+                pickled_len = _write_error(ring, slot, outcome.error)
+            elif shard_end and len(shard_end) <= ring.geometry.data_bytes:
+                start = ring.geometry.data_offset(slot)
+                ring.bytes[start : start + len(shard_end)] = np.frombuffer(shard_end, dtype=np.uint8)
+                pickled_len = len(shard_end)
+        # The result fields from STATUS on, in field order (see _layout.Field); DONE is stored after
+        # them with release ordering, then the ready semaphore is posted.
+        results = (outcome.status, self.worker_id, table_off, table_len, pickled_off, pickled_len, outcome.needed,
+                   at.epoch, at.seq, dataset_state_off, dataset_state_len, region)
+        if ring.publish(slot, results):  # an async for waits: ring its doorbell too
+            try:
+                os.write(self.doorbell, _ONE)
+            except OSError:
+                pass  # the main process closed the doorbell: it is shutting down
 
     def publish_result(self, at: TaskAt, writer: SlotWriter, outcome: Outcome, batch: Any,
                        dataset_state: bytes) -> bool:
-        """Publish ``outcome``; a batch that did not fit takes the overflow path. False: stop."""
-        return _publish_result(self, at, writer, outcome, batch, dataset_state)
+        """Publish ``outcome``; a batch that did not fit takes the overflow path. False: stop.
 
-
-def _publish(to: Publisher, at: TaskAt, writer: SlotWriter, outcome: Outcome, region: Region,
-             shard_end: bytes) -> None:
-    ring, slot = to.ring, at.slot
-    if outcome.status is _OK:
-        table_off, table_len = writer.table_off, writer.table_len
-        pickled_off, pickled_len = writer.pickled_off, writer.pickled_len
-        dataset_state_off, dataset_state_len = writer.dataset_state_off, writer.dataset_state_len
-    else:
-        table_off = table_len = pickled_off = pickled_len = dataset_state_off = dataset_state_len = 0
-        if outcome.status is Status.ERROR or outcome.status is Status.INIT_ERROR:
-            pickled_len = _write_error(ring, slot, outcome.error)
-        elif shard_end and len(shard_end) <= ring.geometry.data_bytes:
-            start = ring.geometry.data_offset(slot)
-            ring.bytes[start : start + len(shard_end)] = np.frombuffer(shard_end, dtype=np.uint8)
-            pickled_len = len(shard_end)
-    # The result fields from STATUS on, in field order (see _layout.Field); DONE is stored after
-    # them with release ordering, then the ready semaphore is posted.
-    results = (outcome.status, to.worker_id, table_off, table_len, pickled_off, pickled_len, outcome.needed,
-               at.epoch, at.seq, dataset_state_off, dataset_state_len, region)
-    if ring.publish(slot, results):  # an async for waits: ring its doorbell too
+        A batch of a task posted ``own`` (the consumer holds the rest of the ring) asks for its
+        leaves' bytes only, and is described (skeleton, leaf table, dataset state) in its slot's
+        data region, which it does not otherwise use (``Region.LEAVES``): a batch of whole pages
+        then costs exactly its pages, as torch's does."""
+        if outcome.status is not _NEED_MEMORY:
+            self.publish(at, writer, outcome, shard_end=dataset_state if outcome.status is Status.STOP else b"")
+            return True
+        ring, slot, where = self.ring, at.slot, f"in DataLoader worker process {self.worker_id}"
+        measure = SlotWriter(None)  # exactly what a fresh writer will need (leaf order included)
         try:
-            os.write(to.doorbell, _ONE)
-        except OSError:
-            pass  # the main process closed the doorbell: it is shutting down
+            needed = measure.finish(batch, dataset_state)
+        except Exception:  # it was measured once already; whatever fails now is this batch's error
+            self.publish(at, writer, Outcome(Status.ERROR, error=wrap(where=where)))
+            return True
+        leaf_bytes = measure.used
+        leaves_only = at.own and 0 < leaf_bytes and needed - round_up(leaf_bytes, 8) <= ring.data_bytes
+        asked = leaf_bytes if leaves_only else needed
+        self.publish(at, writer, Outcome(Status.NEED_MEMORY, needed=asked))
+        reply = self.mailbox.expect(Memory, slot)
+        if reply is None:
+            return False
+        size, fd = reply[0].size, reply[1]
+        if not size:
+            return True  # the consumer no longer wants this batch (a new epoch began)
+        if size < 0:  # no room in memory_budget while the consumer holds it: a pickled copy
+            try:
+                payload = pickle.dumps((batch, dataset_state), protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception:
+                self.publish(at, writer, Outcome(Status.ERROR, error=wrap(where=where)))
+                return True
+            self.publish(at, writer, Outcome(Status.OK, needed=len(payload)), Region.PIPE)
+            self.mailbox.conn.send_bytes(payload)  # after publishing: the consumer reads as we write
+            return True
+        try:
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        overflow = SlotWriter(mm)
+        overflow.begin(0, size)
+        if leaves_only:
+            overflow.describe_in(ring.mm, ring.data_offsets[slot], ring.data_bytes)
+        try:
+            overflow.finish(batch, dataset_state)
+            if not overflow.fits:
+                raise RuntimeError(f"the batch measured {asked:,} bytes, then needed more than the {size:,} granted")
+            outcome = Outcome(Status.OK, needed=asked)
+        except Exception:
+            outcome = Outcome(Status.ERROR, error=wrap(where=where))
+        # The overflow writer's layout, not the slot writer's: their leaves can come in another order
+        # (default collate stacks some leaves before the skeleton is pickled, which adds the rest).
+        written = outcome.status is Status.OK
+        region = (Region.LEAVES if leaves_only else Region.OVERFLOW) if written else Region.SLOT
+        self.publish(at, overflow if written else writer, outcome, region)
+        del overflow, mm  # unmapped once the writer's views are gone; the consumer keeps its own mapping
+        return True
 
 
 def _write_error(ring: AttachedRing, slot: int, error: ExceptionWrapper | None) -> int:
@@ -217,65 +267,6 @@ class Mailbox:
         return self._kept.pop((kind, slot))
 
 
-def _publish_result(to: Publisher, at: TaskAt, writer: SlotWriter, outcome: Outcome, batch: Any,
-                    dataset_state: bytes) -> bool:
-    """``Publisher.publish_result``. A batch of a task posted ``own`` (the consumer holds the rest
-    of the ring) asks for its leaves' bytes only, and is described (skeleton, leaf table, dataset
-    state) in its slot's data region, which it does not otherwise use (``Region.LEAVES``): a
-    batch of whole pages then costs exactly its pages, as torch's does."""
-    if outcome.status is not _NEED_MEMORY:
-        to.publish(at, writer, outcome, shard_end=dataset_state if outcome.status is Status.STOP else b"")
-        return True
-    ring, slot, where = to.ring, at.slot, f"in DataLoader worker process {to.worker_id}"
-    measure = SlotWriter(None)  # exactly what a fresh writer will need (leaf order included)
-    try:
-        needed = measure.finish(batch, dataset_state)
-    except Exception:  # it was measured once already; whatever fails now is this batch's error
-        to.publish(at, writer, Outcome(Status.ERROR, error=wrap(where=where)))
-        return True
-    leaf_bytes = measure.used
-    leaves_only = at.own and 0 < leaf_bytes and needed - round_up(leaf_bytes, 8) <= ring.data_bytes
-    asked = leaf_bytes if leaves_only else needed
-    to.publish(at, writer, Outcome(Status.NEED_MEMORY, needed=asked))
-    reply = to.mailbox.expect(Memory, slot)
-    if reply is None:
-        return False
-    size, fd = reply[0].size, reply[1]
-    if not size:
-        return True  # the consumer no longer wants this batch (a new epoch began)
-    if size < 0:  # no room in memory_budget while the consumer holds it: a pickled copy
-        try:
-            payload = pickle.dumps((batch, dataset_state), protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception:
-            to.publish(at, writer, Outcome(Status.ERROR, error=wrap(where=where)))
-            return True
-        to.publish(at, writer, Outcome(Status.OK, needed=len(payload)), Region.PIPE)
-        to.mailbox.conn.send_bytes(payload)  # after publishing: the consumer reads as we write
-        return True
-    try:
-        mm = mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
-    overflow = SlotWriter(mm)
-    overflow.begin(0, size)
-    if leaves_only:
-        overflow.describe_in(ring.mm, ring.data_offsets[slot], ring.data_bytes)
-    try:
-        overflow.finish(batch, dataset_state)
-        if not overflow.fits:
-            raise RuntimeError(f"the batch measured {asked:,} bytes, then needed more than the {size:,} granted")
-        outcome = Outcome(Status.OK, needed=asked)
-    except Exception:
-        outcome = Outcome(Status.ERROR, error=wrap(where=where))
-    # The overflow writer's layout, not the slot writer's: their leaves can come in another order
-    # (default collate stacks some leaves before the skeleton is pickled, which adds the rest).
-    written = outcome.status is Status.OK
-    region = (Region.LEAVES if leaves_only else Region.OVERFLOW) if written else Region.SLOT
-    to.publish(at, overflow if written else writer, outcome, region)
-    del overflow, mm  # unmapped once the writer's views are gone; the consumer keeps its own mapping
-    return True
-
-
 class FailedInit:
     """What a worker whose worker_init_fn raised answers a task, as torch's loader has it. In the
     epoch it started in (its first task's), every task of a map-style dataset fails with that
@@ -342,7 +333,7 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
     ring = AttachedRing.by_fd(geometry, segment, cfg.worker_id)
     ring.counters[cfg.worker_id][Counter.STARTED_NS] = time.monotonic_ns()
     conn.send(Attached())
-    mailbox = Mailbox(conn, parent, cfg.parent_check_s)
+    publisher = Publisher(ring, cfg.worker_id, Mailbox(conn, parent, cfg.parent_check_s), doorbell)
     if pending is not None and pending_slot >= 0:
         writer = SlotWriter(ring.mm)
         epoch, seq, outcome, batch, dataset_state = pending
@@ -354,13 +345,12 @@ def _worker_loop(cfg: WorkerConfig, conn: Any, doorbell: int) -> None:
             except Exception:  # the first batch could be measured but not written: its error
                 outcome = Outcome(Status.ERROR, error=wrap(where=f"in DataLoader worker process {cfg.worker_id}"))
                 batch = None
-        if not Publisher(ring, cfg.worker_id, mailbox, doorbell).publish_result(
-                TaskAt(pending_slot, epoch, seq), writer, outcome, batch, dataset_state):
+        if not publisher.publish_result(TaskAt(pending_slot, epoch, seq), writer, outcome, batch, dataset_state):
             return
     # The probe's private copy of the first batch (the writer keeps its leaves too): not for
     # the worker's whole life.
     del pending, batch, probe_writer
-    _serve(cfg, ring, producer, mailbox, init_failed, doorbell)
+    _serve(cfg, publisher, producer, init_failed)
 
 
 def worker_replacement(cfg: WorkerConfig, geometry: RingGeometry, segment: InheritedFd, conn: Any,
@@ -373,7 +363,8 @@ def worker_replacement(cfg: WorkerConfig, geometry: RingGeometry, segment: Inher
         init_failed = None if init_error is None else FailedInit(cfg, init_error)
         ring = AttachedRing.by_fd(geometry, segment.fd, cfg.worker_id)
         ring.counters[cfg.worker_id][Counter.STARTED_NS] = time.monotonic_ns()
-        _serve(cfg, ring, Producer(cfg), Mailbox(conn, parent, cfg.parent_check_s), init_failed, doorbell.fd)
+        _serve(cfg, Publisher(ring, cfg.worker_id, Mailbox(conn, parent, cfg.parent_check_s), doorbell.fd),
+               Producer(cfg), init_failed)
     except (KeyboardInterrupt, EOFError, BrokenPipeError, ConnectionResetError):
         pass  # as in worker_main
 
@@ -389,13 +380,12 @@ def _reattach(cfg: WorkerConfig, old: AttachedRing, mailbox: Mailbox) -> Attache
     return ring
 
 
-def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: Producer, mailbox: Mailbox,
-           init_failed: FailedInit | None, doorbell: int) -> None:
+def _serve(cfg: WorkerConfig, publisher: Publisher, producer: Producer, init_failed: FailedInit | None) -> None:
     """Steady state: tasks from the queue, batches into slots; shared memory and semaphores only
     (the setup connection only for what does not fit: overflow memory, a grown ring)."""
+    ring, mailbox = publisher.ring, publisher.mailbox
     writer = SlotWriter(ring.mm)
     fn_map = slot_collate_map(writer)
-    publisher = Publisher(ring, cfg.worker_id, mailbox, doorbell)
     while True:
         task = ring.take_task(cfg.parent_check_s)
         if task is None:
@@ -412,7 +402,7 @@ def _serve(cfg: WorkerConfig, ring: AttachedRing, producer: Producer, mailbox: M
             ring = grown
             writer = SlotWriter(ring.mm)
             fn_map = slot_collate_map(writer)
-            publisher = Publisher(ring, cfg.worker_id, mailbox, doorbell)
+            publisher = Publisher(ring, cfg.worker_id, mailbox, publisher.doorbell)
             continue
         slot, epoch, seq, index, own = task
         if index is None:  # the pickled index did not fit the slot: it came over the connection

@@ -162,3 +162,19 @@ def test_the_seams_to_the_iterator_are_typed() -> None:
         for node in ast.walk(tree):  # (a set of iterators typed Any let the lifecycle call into them)
             if isinstance(node, ast.Subscript) and ast.unparse(node.value).endswith("WeakSet"):
                 assert ast.unparse(node.slice) != "Any", module
+
+
+def test_a_function_of_more_than_five_parameters_says_why() -> None:
+    # (the benchmark command's loader makers take the benchmark's settings: not the package's code)
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "_bench" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args
+                names = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
+                count = len(names) - (1 if names and names[0] in ("self", "cls") else 0)
+                if count > 5 and "parameters" not in (ast.get_docstring(node) or ""):
+                    long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}: {count}")
+    assert long == []
