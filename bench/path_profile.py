@@ -62,7 +62,7 @@ WORKER_STEPS = [
     (_produce.Producer, "_samples", "fetch samples (__getitem__)"),
     (_collate, "_stack_into_slot", "stack into the slot (torch.stack out=)"),
     (_collate.SlotWriter, "finish", "skeleton and leaf table"),
-    (_worker, "_publish", "publish (header, DONE, post; doorbell when async waits)"),
+    (_worker.Publisher, "publish", "publish (header, DONE, post; doorbell when async waits)"),
     (_produce.Producer, "produce", "produce: fetch + collate + finish"),
 ]
 

@@ -43,7 +43,7 @@ import dataclasses
 import itertools
 import weakref
 from collections import deque
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 
 import torch
 
@@ -62,6 +62,21 @@ class Progressing(Protocol):
 class Checkpointed(Progressing, Protocol):
     def checkpoint(self) -> tuple[Progress, int]:
         """``progress()`` at the latest snapshot, and the batches consumed since."""
+
+
+@runtime_checkable
+class Replaying(Protocol):
+    """An iterator that puts the RNG back once a resume's batches were made again (both of
+    shmloader's: ``after_replay``, None when there is nothing to put back)."""
+
+    after_replay: Callable[[], None] | None
+
+
+@runtime_checkable
+class Dying(Checkpointed, Protocol):
+    """A ring iterator: it calls ``last_words`` with itself when it is collected."""
+
+    last_words: Callable[[Any], None] | None
 
 
 class Consuming(Protocol):
@@ -368,7 +383,7 @@ def _begun(loader: Any, torch_iter: Callable[[], Any], start: EpochStart, plan: 
         start.base_seed = torch_private.base_seed(it)
     loader._shm_epoch_start = start
     epoch = _epochs[loader] = _Epoch(it)
-    if hasattr(it, "last_words"):  # a ring iterator: say how far it got when it dies
+    if isinstance(it, Dying):  # a ring iterator: say how far it got when it dies
         def last_words(dying: Checkpointed) -> None:
             try:
                 epoch.last = dying.checkpoint()
@@ -381,7 +396,7 @@ def _begun(loader: Any, torch_iter: Callable[[], Any], start: EpochStart, plan: 
         for _ in range(replayed(plan, loader.dataset, torch_private.is_iterable(loader))):
             if next(it, _DONE) is _DONE:
                 break
-        after = getattr(it, "after_replay", None)
+        after = it.after_replay if isinstance(it, Replaying) else None
         if after is not None:  # (in process, the batches made again drew from the sampling RNG too)
             after()
     return it

@@ -45,6 +45,12 @@ def is_iterable(loader: Any) -> bool:
     return bool(loader._dataset_kind == _DatasetKind.Iterable)
 
 
+def create_fetcher(it: _BaseDataLoaderIter, dataset: Any) -> Any:
+    """torch's in-process fetcher of ``dataset`` for iterator ``it`` (``_DatasetKind.create_fetcher``)."""
+    return _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
+        it._dataset_kind, dataset, it._auto_collation, it._collate_fn, it._drop_last)
+
+
 def index_sampler(loader: Any) -> Any:
     """The sampler ``loader``'s iterators draw batches (or single indices) from."""
     return loader._index_sampler

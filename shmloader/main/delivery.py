@@ -38,16 +38,12 @@ from shmloader.wire.layout import Field
 # A held batch (the user holds every slot a worker can spare: most_lent) under this many bytes is
 # copied out of its slot in the main process, and so are the next ones while the ring stays held;
 # a larger one has the next ones made in memory of their own (OWN tasks: a memfd each, zero-copy).
-# Measured on 2 vCPUs, 64 x float32[1024] (256 KiB) held, `shmloader bench --workloads hold`:
-# copied (every worker keeping a slot, the copies then in private pages), 10-11k batches/s at
-# ~140 µs of CPU a batch, main and workers (8.5k since the copies go into memfds of their own,
-# as torch's batches live: bench/RESULTS.md, 2026-12-04; the threshold was set before that);
-# in memory of their own, 1.4-2.2k at ~560-700 µs (a
-# memfd made, zero-filled and handed over, the batch made privately and copied in, a round trip
-# per batch). The copy costs the main process its bytes once (~0.3 µs a KiB with its pages);
-# memory of its own ~200 µs of the main process a batch whatever its size (and as much again in
-# its worker): from about 700 KiB the copy costs the training process more, and the workers
-# less; a MiB splits the difference.
+# Why a MiB: the copy costs the main process its bytes once (~0.3 µs a KiB with its pages);
+# memory of its own ~200 µs of the main process a batch whatever its size (a memfd made,
+# zero-filled and handed over, the batch made privately and copied in, a round trip per batch),
+# and as much again in its worker. From about 700 KiB the copy costs the training process more,
+# and the workers less; a MiB splits the difference (`shmloader bench --workloads hold`; the
+# figures are in bench/RESULTS.md).
 COPY_HELD_UNDER = 1 << 20
 
 
@@ -147,7 +143,7 @@ class Delivery:
                 self.sched.give_back(slot)
             scope.take(slot, base)
             self.counters.overflow_batches += 1
-            if self.sched.own and scope.leases.held_count() < scope.most_lent() - 1:
+            if self.sched.own and scope.leases.viewed_count() < scope.most_lent() - 1:
                 self.sched.set_own(False)  # the user let go of the ring: batches go into slots again
         else:
             # Never lend a worker's last slot: a caller that keeps every batch (list(loader), a
@@ -159,7 +155,7 @@ class Delivery:
             # torch's batches are, each its own segment).
             leases = scope.leases
             last = scope.most_lent()  # lent slots before this one that leave a worker without one
-            copy = len(leases.bases) >= last and leases.held_count() >= last
+            copy = len(leases.bases) >= last and leases.viewed_count() >= last
             try:
                 batch, base, nbytes = read_batch(ring, slot, copy_leaf if copy else None)
             except BaseException:

@@ -12,9 +12,10 @@ from typing import Any, Callable
 
 import torch.utils.data.graph_settings
 from torch.utils.data import IterDataPipe, MapDataPipe
-from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind, _SingleProcessDataLoaderIter
+from torch.utils.data.dataloader import _BaseDataLoaderIter, _SingleProcessDataLoaderIter
 
 from shmloader import _checkpoint, _state_layout
+from shmloader import _torch_private as torch_private
 from shmloader.worker.produce import has_state
 
 
@@ -25,7 +26,7 @@ class InProcessIterator(_SingleProcessDataLoaderIter):
             raise AssertionError("_SingleProcessDataLoaderIter requires timeout == 0")
         if isinstance(self._dataset, (IterDataPipe, MapDataPipe)):  # torch's: distributed sharding
             torch.utils.data.graph_settings.apply_sharding(self._dataset, self._world_size, self._rank)
-        self._iterable = self._dataset_kind == _DatasetKind.Iterable
+        self._iterable = torch_private.is_iterable(self)
         self._pulled = 0  # batches of indices taken from the sampler
         self.finished = False  # StopIteration was raised
         # (a state taken after its epoch ended was carried into the next one before: no plan then)
@@ -45,8 +46,7 @@ class InProcessIterator(_SingleProcessDataLoaderIter):
         dataset: Any = self._dataset
         if dataset_state is not None and has_state(dataset):
             dataset.load_state_dict(dataset_state)  # before iter(dataset), which the fetcher calls
-        self._dataset_fetcher = _DatasetKind.create_fetcher(  # type: ignore[no-untyped-call]
-            self._dataset_kind, dataset, self._auto_collation, self._collate_fn, self._drop_last)
+        self._dataset_fetcher = torch_private.create_fetcher(self, dataset)
         if self._iterable and fetcher_state is not None:
             fetcher = self._dataset_fetcher
             it = fetcher.dataset_iter

@@ -13,7 +13,7 @@
 - ``_waiter`` (``main.wait.Waiter``): sync and async waits.
 
 The logic of one ``next()`` is the generator ``_steps``: it yields a *wait request*
-(``("ready", scope)``, ``("copy", scope)``, ``("conns", workers)``) whenever nothing is ready; ``for``
+(``main.wait.Ready``, ``Copy``, ``Conns``) whenever nothing is ready; ``for``
 (``__next__``) and ``async for`` (``__anext__``) are two thin drivers that fulfil requests
 (``Waiter.block``, ``Waiter.wait``) and resume it. Each of its passes is ``_round``, which never
 waits: one ``Scheduler.step`` per batch in the steady state, whose events (a request for
@@ -33,12 +33,12 @@ from typing import Any, Callable, Generator
 
 import torch
 import torch.autograd.profiler as _profiler
-from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from shmloader import _checkpoint, _state_layout
 from shmloader._errors import CorruptSlotError, StopCarrier, WorkerReplacedWarning, raise_worker_error
 from shmloader._stats import Counters, RingOccupancy, occupancy
-from shmloader._torch_private import iterator_parts
+from shmloader._torch_private import is_iterable, iterator_parts
 from shmloader.main.delivery import Delivery
 from shmloader.main.dispatch import batches_of
 from shmloader.main.lease import leaves_of, read_pickled, slot_of
@@ -47,7 +47,7 @@ from shmloader.main.overflow import OverflowBroker
 from shmloader.main.resume import RingCheckpoint
 from shmloader.main.scheduler import Scheduler, Step
 from shmloader.main.scope import RingScope
-from shmloader.main.wait import Waiter, interrupted
+from shmloader.main.wait import Copy, Ready, Request, Waiter, interrupted
 from shmloader.wire.layout import Field, Status
 from shmloader.wire.ring import Ring
 from shmloader.worker.produce import has_state, worker_configs
@@ -77,7 +77,7 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
             self._sampler_iter = iter(self._index_sampler)
         self._loader = weakref.ref(loader)
         self._counters: Counters = loader._shm_counters
-        self._iterable = self._dataset_kind == _DatasetKind.Iterable
+        self._iterable = is_iterable(self)
         self._deadline: float | None = None
         self._pending_error: Exception | None = None  # a batch's error, raised after the batches staged before it
         # The exception on its way out of next() that leaves the loader running (one batch's error,
@@ -137,7 +137,7 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
         return None if scope is None else scope.ring
 
     # ------------------------------------------------------ the one path
-    def _steps(self, first: Any = None) -> Generator[tuple[Any, ...], None, Any]:
+    def _steps(self, first: Any = None) -> Generator[Request, None, Any]:
         """The logic of one ``next()``. ``first``: what a ``_round`` just returned when the
         caller ran one (the early exit of a ready ``next()``), processed as this loop's first."""
         if first is None:
@@ -175,9 +175,9 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
                 # Every slot is copying or staged (or the epoch ends with copies running): only
                 # a copy's completion moves on. Waited for without blocking an event loop.
                 self._check()
-                yield ("copy", scope)
+                yield Copy(scope)
                 continue
-            yield ("ready", scope)  # whoever waits checks dead workers and the timeout before it blocks
+            yield Ready(scope)  # whoever waits checks dead workers and the timeout before it blocks
 
     def _round(self) -> Any:
         """One pass that never waits: the scheduler's step (slots back, results collected, tasks
@@ -276,7 +276,7 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
         self._failed_batches += 1
 
     # ------------------------------------------------- start and workers
-    def _start(self) -> Generator[tuple[Any, ...], None, None]:
+    def _start(self) -> Generator[Request, None, None]:
         loader = self._loader()
         batch_bytes = None if loader is None else loader._shm_batch_bytes
         yield from self._life.start(self._sampler_iter, batch_bytes, self._check, self._batch_failed)
@@ -414,14 +414,14 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
     def held_count(self) -> int:
         """How many slots the user holds right now."""
         scope = self._life.scope
-        return 0 if scope is None else scope.leases.held_count()
+        return 0 if scope is None else scope.leases.viewed_count()
 
     def occupancy(self) -> RingOccupancy | None:
         scope = self._life.scope
         if scope is None:
             return None
         stager = scope.stager
-        return occupancy(self._sched, scope.ring.geometry.data_bytes, scope.leases.held_count(),
+        return occupancy(self._sched, scope.ring.geometry.data_bytes, scope.leases.viewed_count(),
                          0 if stager is None else len(stager.copying))
 
     def worker_busy(self) -> tuple[float, ...]:

@@ -99,12 +99,12 @@ class Leases:
             out.append(released.popleft())
         return out
 
-    def held_count(self) -> int:
-        """How many slots the user holds right now (``held()``, counted)."""
+    def viewed_count(self) -> int:
+        """How many slots the user views right now (``viewed()``, counted)."""
         return len(self.bases) - len(_native.unviewed(self.bases, False))
 
-    def held(self) -> set[int]:
-        """The slots the user holds right now (a batch, or a view of one, is alive)."""
+    def viewed(self) -> set[int]:
+        """The lent slots the user views right now (a batch, or a view of one, is alive)."""
         return set(self.bases) - set(_native.unviewed(self.bases, False))
 
 
@@ -317,7 +317,7 @@ def copy_out(tensor: torch.Tensor) -> torch.Tensor | None:
 def lone_args(ring: Ring, most_lent: int) -> tuple[Any, ...]:
     """What ``_native.lend_lone`` needs of ``ring``: ``read_batch``'s common case (a batch that is
     one tensor in its slot) and ``Leases.lend`` in one call, while fewer than ``most_lent``
-    slots are lent (else the caller decides whether to copy: see ``Delivery.most_lent``)."""
+    slots are lent (else the caller decides whether to copy: see ``RingScope.most_lent``)."""
     return (ring.mm, ring.header_offsets, ring.data_offsets, ring.geometry.data_bytes, LONE_LEAF, int(_REGION),
             _SLOT, _TENSOR, NP_DTYPES, _NUMPY_MAX_NDIM, np.ndarray, torch.from_numpy, most_lent)
 

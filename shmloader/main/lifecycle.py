@@ -6,7 +6,7 @@
 attached), grows it when batches outgrow its slots (a new scope, swapped whole), replaces dead
 workers, and shuts everything down.
 
-Generators here yield wait requests (``("conns", workers)``) as the iterator's steps do,
+Generators here yield wait requests (``main.wait.Conns(workers)``) as the iterator's steps do,
 and take ``check``: the iterator's look at dead workers and the timeout.
 """
 
@@ -38,12 +38,13 @@ from shmloader.main.overflow import OverflowBroker
 from shmloader.main.pool import WorkerPool
 from shmloader.main.scheduler import Scheduler
 from shmloader.main.scope import RingScope, RingUse
+from shmloader.main.wait import Conns, Request
 from shmloader.wire.layout import RESIZE_TASK, RingGeometry, Status
 from shmloader.wire.messages import Attached, Grown, NewRing, Probe, Probed
 from shmloader.wire.ring import Doorbell, Ring
 from shmloader.worker.produce import WorkerConfig
 
-Steps = Generator[tuple[Any, ...], None, Any]
+Steps = Generator[Request, None, Any]
 
 
 _said_elsewhere: set[str] = set()  # the kinds of cause (figures left out) rings went to a memfd for
@@ -194,20 +195,23 @@ class Lifecycle:
         device, pin = settings.device, settings.pin
         try:
             said_where(ring)  # (a warning made an error closes the ring as any failure here does)
-            if pin is not None and pin != "cuda" and device is None:
+            pinned = False
+            if device is not None or pin == "cuda":
+                pinned = _device.register_host(ring.mm, geometry.total_bytes)
+            elif pin is not None:
                 _device.warn_unsupported(pin)
             stager = None if device is None else _device.DeviceStager(device, settings.device_prefetch)
         except BaseException:
             ring.close()
             raise
-        self.scope = RingScope(ring, sched, self.pool, self.broker.memory,
-                               RingUse(device is not None or pin == "cuda", stager, not self.delivery.noting))
+        self.scope = scope = RingScope(ring, sched, self.pool, self.broker.memory,
+                                       RingUse(pinned, stager, not self.delivery.noting))
         self.attaching = dict(enumerate(self.pool.procs))
         for wid in range(sched.num_workers):
             pending = -1
             if probe is not None and probe[0] == wid:
                 pending = sched.dispatch(wid, probe[1], probe[2])
-            self.pool.send(wid, NewRing(geometry, pending), ring.fd, dead_ok=True)
+            scope.send(wid, NewRing(geometry, pending), ring.fd)
 
     def _probe(self, wid: int, seq: int, index: Any, check: Callable[[], None]) -> Steps:
         """Worker ``wid``'s answer for batch ``seq`` (the epoch's first, made privately to size
@@ -245,7 +249,7 @@ class Lifecycle:
         while pool.procs[wid] is proc and not pool.conns[wid].poll():
             check()
             if pool.procs[wid] is proc:
-                yield ("conns", [wid])
+                yield Conns([wid])
         return pool.recv(wid) if pool.procs[wid] is proc else None
 
     def await_attached(self, check: Callable[[], None]) -> Steps:
@@ -270,7 +274,7 @@ class Lifecycle:
                                              "expected Attached(): the setup protocol is broken")
                     del attaching[wid]
             if attaching:
-                yield ("conns", sorted(attaching))
+                yield Conns(sorted(attaching))
 
     # --------------------------------------------------------------- grow
     def grow(self, old: RingScope, check: Callable[[], None]) -> Steps:
@@ -295,6 +299,8 @@ class Lifecycle:
         ring = Ring(g)
         try:
             said_where(ring)
+            if old.use.pinned:
+                _device.register_host(ring.mm, g.total_bytes)
         except BaseException:
             ring.close()
             raise

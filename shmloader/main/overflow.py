@@ -23,8 +23,8 @@ at whichever step; the kernel frees it with the last mapping and fd.
 the rings of all its iterators (those batches kept from earlier epochs still view, at the size
 they kept) and the overflow memory granted and not yet freed, so ``memory_budget`` covers
 everything the loader allocates. Release callbacks may run in any thread. ``OverflowBroker``
-owns one iterator's policy: which waiting worker gets memory when, the grants of its tasks in
-flight, and the slot size its ring should grow to.
+owns one iterator's policy: which waiting worker gets memory when, and the slot size its ring
+should grow to; the grants themselves belong to the ring's scope (``main.scope.RingScope.grants``).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from shmloader.wire.shm import Mapping
 class RingUse(NamedTuple):
     """How every ring of an iterator is used, whichever ring it is."""
 
-    pin: bool  # page-lock it (pin_memory=True on CUDA, or device= on CUDA)
+    pinned: bool  # page-locked (pin_memory=True or device= on CUDA, and the first pin held): its overflow too
     stager: _device.DeviceStager | None  # device=: batches are copied to the device ahead of the consumer
     lone: bool  # one-tensor batches are built in one native call (no worker snapshot to note per batch)
 
@@ -37,13 +37,8 @@ class RingScope:
     ``sched`` then reads and writes this ring's table (resized, every slot FREE)."""
 
     def __init__(self, ring: Ring, sched: Scheduler, pool: WorkerPool, memory: LoaderMemory, use: RingUse) -> None:
-        """Take ``ring`` over: page-locked first when ``use.pin`` says so (on failure the ring is
-        closed), then counted in the loader's ``memory`` until its mapping is gone."""
-        try:
-            self.pinned = use.pin and _device.register_host(ring.mm, ring.geometry.total_bytes)
-        except BaseException:
-            ring.close()
-            raise
+        """Take ``ring`` over (page-locked already when ``use.pinned``): counted in the loader's
+        ``memory`` until its mapping is gone."""
         self.ring = ring
         self.use = use
         self.sched = sched
@@ -83,7 +78,7 @@ class RingScope:
         user holds, or a device copy's source), less those whose batch is gone or released."""
         sched, leases = self.sched, self.leases
         lent = {s for s in range(sched.num_slots) if sched.state_of(s) == SlotState.LENT}
-        return lent - (set(leases.bases) - leases.held()) - set(leases.released)
+        return lent - (set(leases.bases) - leases.viewed()) - set(leases.released)
 
     # ------------------------------------------------------------ overflow
     def where(self, slot: int) -> Where | None:
@@ -93,7 +88,7 @@ class RingScope:
 
     def grant(self, slot: int, mm: Mapping, nbytes: int) -> None:
         """``slot``'s task was granted ``mm`` (``nbytes``), page-locked as the ring is."""
-        if self.pinned:
+        if self.use.pinned:
             _device.register_host(mm, nbytes)
         self.grants[slot] = (mm, nbytes)
 
@@ -127,10 +122,13 @@ class RingScope:
         """Nobody writes the ring any more (it was replaced, or its workers stopped): the memory
         of every slot but ``held`` (``held()``, asked while the scheduler still reads this ring)
         goes back to the system, with ``control`` its control region too, and the ring is
-        closed. It stays counted at what the held batches keep. Once."""
+        closed. It stays counted at what the held batches keep, and overflow memory granted to
+        tasks that will never be delivered is no longer counted. Once."""
         if self.retired:
             return
         self.retired = True
+        for slot in list(self.grants):
+            self.drop(slot)
         try:
             kept = self.ring.give_back(held, control)
         finally:

@@ -3,13 +3,13 @@
 The iterator's steps (``main.iterator``) never wait themselves: they yield a *wait request* and
 are resumed once it is fulfilled. This module fulfils the three kinds, two ways:
 
-- ``("ready", scope)``: a published slot of the scope's ring. Sync: yield the CPU and look again a few times
+- ``Ready(scope)``: a published slot of the scope's ring. Sync: yield the CPU and look again a few times
   (``YieldWait``), then check the workers and the timeout, then sleep on the ready semaphore
   for at most ``CHECK_S``. Async: the doorbell eventfd (workers write it while the doorbell
   flag in the segment is set) and the workers' process sentinels, on the running event loop.
-- ``("copy", scope)``: the oldest device copy out of the scope's ring. Sync: its CUDA event,
+- ``Copy(scope)``: the oldest device copy out of the scope's ring. Sync: its CUDA event,
   synchronized. Async: its event queried from the loop at growing intervals.
-- ``("conns", workers)``: a message on those workers' connections (start-up, a grown ring).
+- ``Conns(workers)``: a message on those workers' connections (start-up, a grown ring).
 
 A token taken from the ready semaphore while waiting is banked in the scheduler (a token
 means "look for DONE slots"). Worker deaths are noticed within ``CHECK_S`` either way.
@@ -21,14 +21,49 @@ import asyncio
 import signal
 import time
 from multiprocessing import connection as mp_connection
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable, NamedTuple, Union
 
 from shmloader._stats import Counters
-from shmloader.main.lifecycle import Lifecycle
 from shmloader.main.scope import RingScope
 from shmloader.wire.ring import YieldWait
 
+if TYPE_CHECKING:
+    from shmloader.main.lifecycle import Lifecycle
+
 CHECK_S = 0.25  # how often a blocked sync wait checks worker liveness
+
+
+class Ready(NamedTuple):
+    """Wait for a published slot of ``scope``'s ring."""
+
+    scope: RingScope
+
+    @property
+    def kind(self) -> str:
+        return "ready"
+
+
+class Copy(NamedTuple):
+    """Wait for the oldest device copy out of ``scope``'s ring."""
+
+    scope: RingScope
+
+    @property
+    def kind(self) -> str:
+        return "copy"
+
+
+class Conns(NamedTuple):
+    """Wait for a message on these workers' connections (start-up, a grown ring)."""
+
+    workers: list[int]
+
+    @property
+    def kind(self) -> str:
+        return "conns"
+
+
+Request = Union[Ready, Copy, Conns]
 
 
 class Waiter:
@@ -43,20 +78,19 @@ class Waiter:
         self.yields = YieldWait()  # a sync next()'s, before it sleeps on the ready semaphore
 
     # ----------------------------------------------------------------- sync
-    def block(self, request: tuple[Any, ...], check: Callable[[], None], deadline: float | None) -> None:
+    def block(self, request: Request, check: Callable[[], None], deadline: float | None) -> None:
         began = time.perf_counter()
         try:
             self._block(request, check, deadline)
         finally:
             self.counters.blocked_s += time.perf_counter() - began
 
-    def _block(self, request: tuple[Any, ...], check: Callable[[], None], deadline: float | None) -> None:
-        kind = request[0]
-        if kind == "copy":
-            request[1].reap(block=True)
+    def _block(self, request: Request, check: Callable[[], None], deadline: float | None) -> None:
+        if isinstance(request, Copy):
+            request.scope.reap(block=True)
             return
-        if kind == "ready":
-            scope: RingScope = request[1]
+        if isinstance(request, Ready):
+            scope = request.scope
             ring = scope.ring
             if self.yields(ring.mm, ring.ready_sem):
                 scope.sched.bank_token()
@@ -66,7 +100,7 @@ class Waiter:
                 scope.sched.bank_token()
             return
         pool = self.life.pool
-        mp_connection.wait([pool.conns[w] for w in request[1]] + pool.sentinels, self.sleep_s(deadline))
+        mp_connection.wait([pool.conns[w] for w in request.workers] + pool.sentinels, self.sleep_s(deadline))
 
     def sleep_s(self, deadline: float | None) -> float:
         """How long a sync wait may sleep before it looks again: CHECK_S (worker deaths are
@@ -76,24 +110,23 @@ class Waiter:
         return max(0.0, min(CHECK_S, deadline - time.monotonic()))
 
     # ---------------------------------------------------------------- async
-    async def wait(self, request: tuple[Any, ...], check: Callable[[], None], deadline: float | None) -> None:
+    async def wait(self, request: Request, check: Callable[[], None], deadline: float | None) -> None:
         began = time.perf_counter()
         try:
             await self._wait(request, check, deadline)
         finally:
             self.counters.blocked_s += time.perf_counter() - began
 
-    async def _wait(self, request: tuple[Any, ...], check: Callable[[], None], deadline: float | None) -> None:
-        kind = request[0]
-        if kind == "copy":
-            await self._copy(request[1], check)
+    async def _wait(self, request: Request, check: Callable[[], None], deadline: float | None) -> None:
+        if isinstance(request, Copy):
+            await self._copy(request.scope, check)
             return
         life = self.life
         loop = asyncio.get_running_loop()
         ring = None
-        if kind == "ready":
+        if isinstance(request, Ready):
             check()
-            scope: RingScope = request[1]
+            scope = request.scope
             ring = scope.ring
             ring.want_doorbell(True)  # workers ring the doorbell only while we wait on it
             life.doorbell.drain()  # before the last look, so a post after the look still wakes us
@@ -103,7 +136,7 @@ class Waiter:
                 return
             fds = [life.doorbell.fd]
         else:
-            fds = [life.pool.conns[w].fileno() for w in request[1]]
+            fds = [life.pool.conns[w].fileno() for w in request.workers]
         fds += life.pool.sentinels
         woken = loop.create_future()
 

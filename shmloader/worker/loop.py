@@ -107,7 +107,7 @@ class Publisher:
                 start = ring.geometry.data_offset(slot)
                 ring.bytes[start : start + len(shard_end)] = np.frombuffer(shard_end, dtype=np.uint8)
                 pickled_len = len(shard_end)
-        # The result fields from STATUS on, in field order (see _layout.Field); DONE is stored after
+        # The result fields from STATUS on, in field order (see wire.layout.Field); DONE is stored after
         # them with release ordering, then the ready semaphore is posted.
         results = (outcome.status, self.worker_id, table_off, table_len, pickled_off, pickled_len, outcome.needed,
                    at.epoch, at.seq, dataset_state_off, dataset_state_len, region)
@@ -436,7 +436,7 @@ def _serve(cfg: WorkerConfig, publisher: Publisher, producer: Producer, init_fai
             return
         del batch
         if spent > LONG_BATCH_NS:
-            # A sync next() waiting for a batch yields its CPU rather than sleeping (_wait.Waiter,
+            # A sync next() waiting for a batch yields its CPU rather than sleeping (main.wait.Waiter,
             # YieldWait), so when every CPU runs a worker it waits in a run queue behind
             # one until that worker's time slice ends: milliseconds, when batches take that
             # long, while the next tasks wait for it to take this batch. Sharing its run queue,

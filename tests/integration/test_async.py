@@ -152,7 +152,7 @@ def test_a_cancelled_anext_loses_nothing_at_any_wait_of_start_up_or_steady_state
         same(got, want)
         if not cancelled:
             break
-        kinds.add(cancelled[0][0])
+        kinds.add(cancelled[0].kind)
         k += 1
     assert {"conns", "ready"} <= kinds, kinds  # start-up's waits (probe, attach) and steady state's
     got, cancelled = run(cancelled_run(shmloader.DataLoader(**cancel_job(), num_workers=2), lambda n: n % 2 == 1))

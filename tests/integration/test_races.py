@@ -120,8 +120,8 @@ def test_async_for_cancelled_while_the_ring_grows_goes_on_on_the_new_ring(monkey
     wait = _wait.Waiter.wait
     cancelled = []
 
-    async def cancel_once(self: Any, request: tuple[Any, ...], *args: Any) -> None:
-        if request[0] == "conns" and self.life.started and not cancelled:  # waiting for workers to attach
+    async def cancel_once(self: Any, request: Any, *args: Any) -> None:
+        if request.kind == "conns" and self.life.started and not cancelled:  # waiting for workers to attach
             cancelled.append(request)
             raise asyncio.CancelledError  # as a timeout around the step would cancel it here
         await wait(self, request, *args)

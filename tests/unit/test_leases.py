@@ -51,9 +51,9 @@ def test_a_dropped_batch_returns_its_slot_once() -> None:
     leases = Consumer()
     b = base()
     leases.lend(0, b)
-    assert leases.held_count() == 1
+    assert leases.viewed_count() == 1
     del b
-    assert leases.held_count() == 0
+    assert leases.viewed_count() == 0
     assert leases.take_returned() == [0] and leases.take_returned() == []
     assert not leases.bases and not leases.released
 
@@ -63,7 +63,7 @@ def test_release_then_drop_returns_once() -> None:
     b = base()
     leases.lend(0, b)
     assert leases.release(0) is True and leases.release(0) is False
-    assert leases.held_count() == 0
+    assert leases.viewed_count() == 0
     del b  # its callback's entry is stale now
     assert leases.take_returned() == [0] and leases.take_returned() == []
 
@@ -86,7 +86,7 @@ def test_a_stale_return_never_takes_back_the_slot_lent_again() -> None:
     new = base()
     leases.lend(0, new)  # the same slot, a new batch
     del old  # the first batch's views go now: its return is stale
-    assert leases.take_returned() == [] and leases.held_count() == 1
+    assert leases.take_returned() == [] and leases.viewed_count() == 1
     del new
     assert leases.take_returned() == [0]
 
@@ -121,7 +121,7 @@ def test_batches_dropped_by_other_threads_come_back_exactly_once() -> None:
         t.join()
     gc.collect()
     taken += leases.take_returned()
-    assert sorted(taken) == list(range(n)) and leases.held_count() == 0 and not leases.bases and not leases.released
+    assert sorted(taken) == list(range(n)) and leases.viewed_count() == 0 and not leases.bases and not leases.released
 
 
 def test_a_view_of_a_view_keeps_the_slot_lent() -> None:
@@ -135,9 +135,9 @@ def test_a_view_of_a_view_keeps_the_slot_lent() -> None:
     del b
     part = tensor[1:].numpy()[::2]
     del tensor
-    assert leases.held_count() == 1 and leases.take_returned() == []
+    assert leases.viewed_count() == 1 and leases.take_returned() == []
     del part
-    assert leases.take_returned() == [0] and leases.held_count() == 0
+    assert leases.take_returned() == [0] and leases.viewed_count() == 0
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import types
 from shmloader import _native
 from shmloader._stats import Counters
 from shmloader.main.scheduler import Scheduler
-from shmloader.main.wait import Waiter
+from shmloader.main.wait import Ready, Waiter
 from shmloader.wire.ring import YieldWait
 
 SEM = 64  # the ready semaphore's offset in the test's buffer
@@ -54,7 +54,7 @@ def test_a_token_taken_while_yielding_is_banked_for_the_step() -> None:
     mm = current.ring.mm
     _native.sem_post(mm, SEM)
     _native.sem_post(mm, SEM)
-    w.block(("ready", current), no_sleep, None)
+    w.block(Ready(current), no_sleep, None)  # type: ignore[arg-type]
     assert current.sched.banked == 1  # one token banked (a token means "look for DONE slots")...
     assert _native.sem_wait(mm, SEM, 0) and not _native.sem_wait(mm, SEM, 0)  # ...the other left
 
