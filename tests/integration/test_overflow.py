@@ -6,6 +6,7 @@ memory budget is never exceeded; killed workers lose nothing."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import pickle
 import random
@@ -283,6 +284,24 @@ def test_breaking_off_epochs_returns_their_overflow_memory_to_the_budget() -> No
                 break
     same([b.clone() for b in loader], want)
     assert loader.stats().ring_growths == 0 and loader.stats().copies == 0
+
+
+def test_an_epoch_broken_off_with_memory_granted_leaves_none_counted() -> None:
+    # Every batch but the first overflows, so tasks hold overflow memory granted and not yet
+    # delivered when a broken-off epoch stops its workers (in most epochs: when the next batch's
+    # request came before the break): once its batches are gone too, the loader counts no memory
+    # (memory_budget would otherwise shrink with each such epoch).
+    sizes = [1] * 4 + [20_000] * 60
+    loader = shmloader.DataLoader(Sized(sizes), batch_size=4, num_workers=2, memory_budget=1_100_000)
+    want = list(tud.DataLoader(Sized(sizes), batch_size=4))
+    for _ in range(8):
+        for i, batch in enumerate(loader):
+            same(batch, want[i])
+            if i == 3:
+                break
+        del batch
+        gc.collect()
+        assert loader._shm_memory.in_use == 0, (loader._shm_memory.rings, loader._shm_memory.overflow)
 
 
 @pytest.mark.timeout(60)
