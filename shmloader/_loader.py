@@ -52,7 +52,6 @@ def attach_options(loader: Any, *, slot_bytes: int | None = None, device: str | 
     loader.device = device
     loader.device_prefetch = device_prefetch
     loader._shm_device = _device.parse_device(device, loader.num_workers)
-    loader._shm_batch_bytes = None  # the slot size rings start at (measured, then grown)
     loader._shm_resume_seed = None  # read by RingIterator
     loader._shm_resume_plan = None  # read by the epoch's new iterator (RingIterator, InProcessIterator)
     loader._shm_epoch_start = None  # _checkpoint's: where the current epoch began

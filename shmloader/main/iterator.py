@@ -28,7 +28,6 @@ import asyncio
 import pickle
 import time
 import warnings
-import weakref
 from typing import Any, Callable, Generator
 
 import torch
@@ -75,7 +74,6 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
             self._base_seed, rng = loader._shm_resume_seed
             _checkpoint.set_rng_state(loader.generator, rng)
             self._sampler_iter = iter(self._index_sampler)
-        self._loader = weakref.ref(loader)
         self._counters: Counters = loader._shm_counters
         self._iterable = is_iterable(self)
         self._deadline: float | None = None
@@ -87,7 +85,7 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
         self._fatal: BaseException | None = None  # what stopped the workers before the epoch ended
         cap = self._num_workers * loader.prefetch_factor  # torch's bound on tasks; memory_budget may give fewer slots
         self._sched = Scheduler(cap, self._num_workers, cap, in_order=loader.in_order)
-        self._broker = OverflowBroker(loader._shm_memory, loader._shm_memory_budget, loader.in_order, self._loader)
+        self._broker = OverflowBroker(loader._shm_memory, loader._shm_memory_budget, loader.in_order)
         plan: _state_layout.Plan | None = loader._shm_resume_plan
         self._delivery = Delivery(self._sched, self._broker, self._counters, self._iterable or has_state(self._dataset),
                                   seqs=not loader.in_order and not self._iterable)  # (consumed: not a prefix)
@@ -277,8 +275,7 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
 
     # ------------------------------------------------- start and workers
     def _start(self) -> Generator[Request, None, None]:
-        loader = self._loader()
-        batch_bytes = None if loader is None else loader._shm_batch_bytes
+        batch_bytes = self._broker.memory.batch_bytes  # (an earlier iterator's measure: no probe)
         yield from self._life.start(self._sampler_iter, batch_bytes, self._check, self._batch_failed)
 
     def _check(self) -> None:

@@ -183,7 +183,7 @@ class Lifecycle:
                 raise_worker_error(error, batch_failed)                  # raised; the next one is probed
             else:
                 first = needed
-                self.broker.remember(first)  # later epochs skip the probe
+                self.broker.memory.remember(first)  # later epochs skip the probe
                 probe = (wid, seq, index)
         if slot_bytes is not None and first is not None:  # slot_bytes= is a hint: a ring grown past it stays grown
             slot_bytes = max(slot_bytes, first)

@@ -61,6 +61,7 @@ class LoaderMemory:
         # Called after memory was freed (any thread): an iterator waiting for room wakes. Each
         # returns False once its iterator is gone (then it is dropped).
         self.listeners: list[Callable[[], bool]] = []
+        self.batch_bytes: int | None = None  # the slot size this loader's rings start at (measured, then grown)
 
     @property
     def in_use(self) -> int:
@@ -70,6 +71,10 @@ class LoaderMemory:
         """A loader pickled or copied (ddp_spawn, deepcopy) starts with none: mappings are a
         process's own."""
         return (LoaderMemory, ())
+
+    def remember(self, nbytes: int) -> None:
+        """Rings made later (next epochs, when not persistent) start at slots of ``nbytes`` at least."""
+        self.batch_bytes = max(self.batch_bytes or 0, nbytes)
 
     def allocate(self, nbytes: int) -> tuple[int, Mapping]:
         """A new anonymous shared region of ``nbytes`` for an overflow batch: (fd, mapping). The
@@ -128,20 +133,13 @@ class OverflowBroker:
     taken by the delivered batch (``RingScope.take``; freed when the batch's last view dies) or
     dropped with its task (``RingScope.drop``: stale epoch, dead worker, error), exactly once."""
 
-    def __init__(self, memory: LoaderMemory, budget: int | None, in_order: bool, loader: weakref.ref[Any]) -> None:
+    def __init__(self, memory: LoaderMemory, budget: int | None, in_order: bool) -> None:
         self.memory = memory
         self.budget = budget
         self.in_order = in_order
-        self._loader = loader  # (weakly: an iterator never keeps its loader alive)
         self.grow_to: int | None = None  # a larger slot size, taken up once the ring drains
         self.growth_declined = False  # memory_budget had no room to grow; overflow carries large batches
         self.awaiting_room = False  # a grant waits for memory_budget: freed memory rings the doorbell
-
-    def remember(self, nbytes: int) -> None:
-        """Rings made later (next epochs, when not persistent) start at this slot size."""
-        loader = self._loader()
-        if loader is not None:
-            loader._shm_batch_bytes = max(loader._shm_batch_bytes or 0, nbytes)
 
     def new_epoch(self, scope: RingScope | None) -> None:
         """Results the new epoch dropped (their slots FREE) give their grants back."""
@@ -153,7 +151,7 @@ class OverflowBroker:
         """A batch (or index) of ``nbytes`` did not fit a slot of ``slot_bytes``: grow the slots
         once the ring drains."""
         target = grown_slot_bytes(nbytes)
-        self.remember(target)
+        self.memory.remember(target)
         if self.growth_declined or target <= slot_bytes:
             return
         self.grow_to = max(self.grow_to or 0, target)
