@@ -7,6 +7,7 @@ installed), side by side in one run, on transport-bound and real workloads.
     shmloader bench --memory --rounds 3           # peak memory, workers stopped after each epoch and persistent
     shmloader bench --ceiling --rounds 12         # each loader as a share of a bare ring (ready tensors)
     shmloader bench --cpu --latency --step-ms 1   # CPU per batch, main and workers; next()'s percentiles
+    shmloader bench --neighbours 1,2 --rounds 3   # beside 1 and 2 CPU-bound processes, and alone
 
 Rows ``dataset`` (the dataset and collate alone, in this process: the floor under every
 loader's CPU per batch) and, with ``--ceiling``, ``ceiling`` (the bare ring of ``ceiling.py``)
@@ -29,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import neighbours as _neighbours
 from .loaders import CEILING, LOADERS, Loader
 from .measure import CpuSplit, MemoryResult, Result, measure, peak_memory
 from .workloads import CACHE, WORKLOADS, Workload
@@ -54,6 +56,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ceiling", action="store_true",
                    help="run a bare ring (no shmloader code: the design's ceiling) too, and print each loader's "
                         "rate as a share of it; default workloads tiny,tokens,image and loaders torch,shmloader")
+    p.add_argument("--neighbours", default=None, metavar="N[,N...]",
+                   help="run each loader beside N CPU-bound processes (while True: pass, same priority) and "
+                        "alone, alternated; print rates, ratios to torch beside as many, and the share of "
+                        "the loader's own rate alone; default workloads tiny,tokens and loaders torch,shmloader")
     p.add_argument("--cpu", action="store_true",
                    help="print CPU µs (user, system) and context switches per batch, main process and workers")
     p.add_argument("--latency", action="store_true",
@@ -87,31 +93,42 @@ def run(args: argparse.Namespace) -> tuple[list[Result], list[str]]:
     workloads, loaders, notes = _selected(args)
     repeats = 2 if args.quick and args.repeats == 3 else args.repeats
     rounds = args.rounds
-    bar = _progress(len(workloads) * len(loaders) * rounds)
+    crowds = _neighbours.counts(getattr(args, "neighbours", None))
+    bar = _progress(len(workloads) * len(loaders) * rounds * len(crowds))
     results: list[Result] = []
     for w in workloads:
         batches = args.batches or (w.quick_batches if args.quick else w.batches)
         samples = (batches if w.epochs else batches * repeats + 8) * w.batch_size
         dataset = w.make(args.cache, args.quick, args.data, samples)
-        runs: dict[str, dict[int, Result]] = {ld.name: {} for ld in loaders}  # loader -> round -> result
+        # (loader, neighbours) -> round -> result
+        runs: dict[tuple[str, int], dict[int, Result]] = {(ld.name, n): {} for ld in loaders for n in crowds}
         for r, ld in _alternated(loaders, rounds):
-            if bar is not None:
-                bar.set_description(f"{w.name} / {ld.name}" + (f" / round {r + 1}" if rounds > 1 else ""))
-            budget = args.memory_budget if ld.name == "shmloader" else None
-            make = _maker(args, w, ld, dataset, budget, persistent_workers=True if w.epochs else None)
-            try:
-                res = measure(w.name, ld.name, make, batches, repeats, args.step_ms / 1e3, epochs=w.epochs, hold=w.hold)
-            except Exception as exc:  # a peer that cannot run this workload is reported, not fatal
-                notes.append(f"{w.name} / {ld.name}: failed: {type(exc).__name__}: {exc}")
-            else:
-                if budget is not None:
-                    from shmloader.main.budget import parse_size
+            for n in crowds[r % len(crowds):] + crowds[: r % len(crowds)]:
+                if bar is not None:
+                    bar.set_description(f"{w.name} / {ld.name}" + (f" / {n} neighbours" if n else "")
+                                        + (f" / round {r + 1}" if rounds > 1 else ""))
+                budget = args.memory_budget if ld.name == "shmloader" else None
+                make = _maker(args, w, ld, dataset, budget, persistent_workers=True if w.epochs else None)
+                try:
+                    with _neighbours.neighbours(n):
+                        res = measure(w.name, ld.name, make, batches, repeats, args.step_ms / 1e3, epochs=w.epochs,
+                                      hold=w.hold)
+                except Exception as exc:  # a peer that cannot run this workload is reported, not fatal
+                    notes.append(f"{w.name} / {ld.name}: failed: {type(exc).__name__}: {exc}")
+                else:
+                    if budget is not None:
+                        from shmloader.main.budget import parse_size
 
-                    res.within_budget = res.loader_mb * 2**20 <= parse_size(budget)
-                runs[ld.name][r] = res
-            if bar is not None:
-                bar.update()
-        results.extend(_merge(own, runs.get("torch", {}), runs.get(CEILING.name, {})) for own in runs.values() if own)
+                        res.within_budget = res.loader_mb * 2**20 <= parse_size(budget)
+                    res.neighbours = n
+                    runs[(ld.name, n)][r] = res
+                if bar is not None:
+                    bar.update()
+        for (name, n), own in runs.items():
+            if own:
+                merged = _merge(own, runs.get(("torch", n), {}), runs.get((CEILING.name, n), {}))
+                merged.ratio_to_alone = _paired(own, runs.get((name, 0), {})) if n else None
+                results.append(merged)
     if bar is not None:
         bar.close()
     return results, notes
@@ -280,6 +297,18 @@ def ceiling_table(results: list[Result]) -> str:
     return "\n".join(rows)
 
 
+def neighbours_table(results: list[Result]) -> str:
+    rows = ["| workload | loader | neighbours | batches/s (median; each round) | vs torch beside as many "
+            "| share of its own rate alone |", "|" + "---|" * 6]
+    for r in sorted(results, key=lambda r: (r.workload, r.neighbours)):
+        rounds = ", ".join(f"{x:,.0f}" for x in r.round_rates or [r.batches_per_s])
+        ratio = "" if r.ratio_to_torch is None else f"{r.ratio_to_torch:.2f}x"
+        alone = "" if r.ratio_to_alone is None else f"{r.ratio_to_alone:.0%}"
+        rows.append(f"| {r.workload} | {r.loader} | {r.neighbours} | {r.batches_per_s:,.0f} ({rounds}) | {ratio} "
+                    f"| {alone} |")
+    return "\n".join(rows)
+
+
 def cpu_table(results: list[Result]) -> str:
     rows = ["| workload | loader | main user µs | main system µs | workers user µs | workers system µs "
             "| main switches | workers switches |", "|" + "---|" * 8]
@@ -328,6 +357,7 @@ def metadata(args: argparse.Namespace) -> dict[str, Any]:
         "num_workers": args.num_workers,
         "prefetch_factor": args.prefetch_factor,
         "rounds": args.rounds,
+        "neighbours": getattr(args, "neighbours", None),
     }
 
 
@@ -359,10 +389,10 @@ def plot(results: list[Result], path: pathlib.Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    if args.ceiling:  # (the bare ring serves ready tensors; a comparison needs torch and the product)
-        defaults = parser().parse_args([])
-        if args.workloads == defaults.workloads:
-            args.workloads = "tiny,tokens,image"
+    defaults = parser().parse_args([])
+    if args.ceiling or args.neighbours is not None:  # (a comparison needs torch and the product)
+        if args.workloads == defaults.workloads:  # (the bare ring serves ready tensors)
+            args.workloads = "tiny,tokens,image" if args.ceiling else "tiny,tokens"
         if args.loaders == defaults.loaders:
             args.loaders = "torch,shmloader"
     meta = metadata(args)
@@ -388,6 +418,10 @@ def main(argv: list[str] | None = None) -> int:
               "kept, a random kept one read instead); tree PSS: the tree's PSS with its shared pages "
               "(psutil's, smem's)")
         print(memory_table(peaks))
+    elif args.neighbours is not None:
+        print("# neighbours: processes running `while True: pass` at the loader's priority; vs torch: torch beside "
+              "as many in the same round; share: of the loader's own rate with none, in the same round")
+        print(neighbours_table(results))
     elif args.ceiling:
         print(ceiling_table(results))
     else:

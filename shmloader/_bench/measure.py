@@ -285,6 +285,8 @@ class Result:
     ratio_to_ceiling: float | None = None  # with --ceiling: the median of each round's ratio to the bare ring's
     cpu_us: CpuSplit | None = None  # CPU µs and context switches per batch, main process and workers
     next_us: list[float] | None = None  # a next() call's 50th, 90th and 99th percentile, µs
+    neighbours: int = 0  # with --neighbours: CPU-bound processes running beside the loader
+    ratio_to_alone: float | None = None  # with --neighbours: the median of each round's ratio to its own rate alone
 
 
 @dataclasses.dataclass

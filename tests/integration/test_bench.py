@@ -245,3 +245,61 @@ def test_torchdata_nodes_peers_run_in_threads_and_processes_and_stop(tmp_path: p
     assert set(rows) == {(w, ld) for w in ("tiny", "varlen") for ld in ("torch", "nodes-thread", "nodes-process")}
     assert all(r["cpu_ms_per_batch"] > 0 for r in rows.values())  # threads' CPU counts too
     assert _tree(os.getpid()) == [os.getpid()]  # every peer's workers stopped
+
+
+def _neighbours_running() -> int:
+    """This process's children that are bench neighbours (``while True: pass``), from /proc."""
+    me, count = str(os.getpid()), 0
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = f.read().rsplit(")", 1)[1].split()[1]
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, IndexError):
+            continue
+        count += parent == me and b"while True: pass" in cmdline
+    return count
+
+
+def test_neighbours_run_beside_each_loader_and_ratios_pair_within_a_crowd(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--neighbours 2 measures each loader alone and beside 2 CPU-bound processes, which run
+    exactly while it is measured; its ratio to torch pairs it with torch beside as many, in the
+    same round, and its share is of its own rate alone in that round."""
+    from shmloader import _bench
+    from shmloader._bench.measure import Result
+
+    seen: list[tuple[str, int]] = []
+    # Per (loader, neighbours), each round's rate.
+    rates = {("torch", 0): [100.0, 200.0], ("torch", 2): [80.0, 100.0],
+             ("shmloader", 0): [4000.0, 6000.0], ("shmloader", 2): [400.0, 1500.0]}
+
+    def fake_measure(workload: str, loader: str, make: object, batches: int, repeats: int,
+                     step_s: float, epochs: bool = False, hold: bool = False) -> Result:
+        crowd = _neighbours_running()
+        seen.append((loader, crowd))
+        rate = rates[(loader, crowd)][sum(1 for s in seen if s == (loader, crowd)) - 1]
+        return Result(workload, loader, rate, rate, rate, 0.0, 0.1, 1.0, peak_mb=1.0, loader_mb=1.0, batch_bytes=8)
+
+    monkeypatch.setattr(_bench, "measure", fake_measure)
+    args = _bench.parser().parse_args(["--workloads", "tiny", "--loaders", "torch,shmloader", "--rounds", "2",
+                                       "--neighbours", "2", "--cache", str(tmp_path)])
+    results, notes = _bench.run(args)
+    assert notes == [] and _neighbours_running() == 0  # stopped and reaped after each measure
+    # Round 1: torch alone, beside 2, then shmloader alone, beside 2; round 2 starts with the other loader and crowd.
+    assert seen == [("torch", 0), ("torch", 2), ("shmloader", 0), ("shmloader", 2),
+                    ("shmloader", 2), ("shmloader", 0), ("torch", 2), ("torch", 0)]
+    by = {(r.loader, r.neighbours): r for r in results}
+    assert by[("shmloader", 0)].ratio_to_torch == 35.0  # rounds: 40x and 30x
+    assert by[("shmloader", 2)].ratio_to_torch == 10.0  # rounds: 5x and 15x, each beside 2 as torch was
+    assert by[("shmloader", 2)].ratio_to_alone == pytest.approx(0.175)  # rounds: 10% and 25% of its own rate alone
+    assert by[("shmloader", 0)].ratio_to_alone is None
+    print(_bench.neighbours_table(results))
+    text = capsys.readouterr().out
+    assert "| tiny | shmloader | 2 | 950 (400, 1,500) | 10.00x | 18% |" in text
+
+
+def test_neighbours_flag_refuses_a_negative_count() -> None:
+    with pytest.raises(SystemExit, match="at least 0"):
+        cli.main(["bench", "--neighbours", "-1", "--workloads", "tiny", "--batches", "1"])
