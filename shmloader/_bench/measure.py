@@ -27,11 +27,13 @@ import torch
 
 from shmloader import _torch_private as torch_private
 
+from .neighbours import RUNNING
+
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
 def _tree(root: int) -> list[int]:
-    """``root`` and its live descendants."""
+    """``root`` and its live descendants, less the bench's neighbours (``--neighbours``)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -45,6 +47,8 @@ def _tree(root: int) -> list[int]:
     out, todo = [], [root]
     while todo:
         pid = todo.pop()
+        if pid in RUNNING:
+            continue
         out.append(pid)
         todo.extend(children.get(pid, []))
     return out

@@ -9,19 +9,26 @@ import subprocess
 import sys
 from typing import Iterator
 
+# The pids of the neighbours running now: not the loader's, so the measures of its process tree
+# (CPU, memory) leave them out.
+RUNNING: set[int] = set()
+
 
 @contextlib.contextmanager
 def neighbours(n: int) -> Iterator[list[subprocess.Popen[bytes]]]:
     """``n`` neighbour processes running for the duration of the block; stopped and reaped after."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
-             for _ in range(n)]
+    procs = []
     try:
+        for _ in range(n):
+            procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL))
+            RUNNING.add(procs[-1].pid)
         yield procs
     finally:
         for proc in procs:
             proc.kill()
         for proc in procs:
             proc.wait()
+            RUNNING.discard(proc.pid)
 
 
 def counts(text: str | None) -> list[int]:

@@ -303,3 +303,15 @@ def test_neighbours_run_beside_each_loader_and_ratios_pair_within_a_crowd(
 def test_neighbours_flag_refuses_a_negative_count() -> None:
     with pytest.raises(SystemExit, match="at least 0"):
         cli.main(["bench", "--neighbours", "-1", "--workloads", "tiny", "--batches", "1"])
+
+
+def test_the_loaders_process_tree_leaves_the_neighbours_out() -> None:
+    import importlib
+
+    from shmloader._bench import neighbours
+
+    measure = importlib.import_module("shmloader._bench.measure")  # (the package's `measure` is its function)
+    with neighbours.neighbours(2) as procs:
+        tree = measure._tree(os.getpid())
+        assert _neighbours_running() == 2 and not {p.pid for p in procs} & set(tree)
+    assert _neighbours_running() == 0 and not neighbours.RUNNING
