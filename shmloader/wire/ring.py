@@ -14,6 +14,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -35,22 +36,45 @@ class YieldWait:
     small batch's cost. The bound is ``most`` after a token came while yielding and halves
     after each miss, down to ``least``, so a waiter whose peer takes milliseconds barely
     yields (``least`` yields, ~1 µs each on an idle CPU). The yields and looks are one native
-    call with the GIL released (``_native.yield_wait``); a hit takes the semaphore's token."""
+    call with the GIL released (``_native.yield_wait``); a hit takes the semaphore's token.
+
+    A CPU shared with a process that never sleeps (a CPU-bound neighbour: another container,
+    another rank spinning in CUDA's synchronisation) turns each yield into that process's whole
+    time slice, milliseconds: beside two such neighbours on 2 CPUs a loader that yielded fell to
+    torch's rate whenever one shared its CPU (bench/RESULTS.md, 2026-12-05). So yields are timed:
+    when they take more than ``CONTENDED_NS`` each on average, the waiter stops yielding and
+    sleeps at once (a sleeper is woken ahead of a CPU hog) for its next ``QUIET`` waits, then
+    tries ``least`` yields again: the neighbour may have gone."""
 
     MOST, LEAST = 64, 4
-    __slots__ = ("most", "least", "bound")
+    CONTENDED_NS = 200_000  # a yield this long ran another process's slice (ms), not a peer's batch (µs)
+    QUIET = 1024  # waits that sleep at once after contended yields, before yields are tried again
+    __slots__ = ("most", "least", "bound", "quiet")
 
     def __init__(self) -> None:
         self.most, self.least = self.MOST, self.LEAST
         self.bound = self.most
+        self.quiet = 0  # waits left that sleep without yielding (the yields were contended)
 
     def __call__(self, mm: mmap.mmap, sem: int) -> bool:
+        if self.quiet:
+            self.quiet -= 1
+            return False
         bound = self.bound
-        if _native.yield_wait(mm, sem, bound):
+        began = _clock()
+        took = _native.yield_wait(mm, sem, bound)
+        if _clock() - began > (took or bound) * self.CONTENDED_NS:
+            self.quiet = self.QUIET
+            self.bound = self.least
+            return bool(took)
+        if took:
             self.bound = self.most
             return True
         self.bound = max(self.least, bound // 2)
         return False
+
+
+_clock = time.monotonic_ns  # (YieldWait's: a test makes the yields' time its own)
 
 
 class Doorbell:
