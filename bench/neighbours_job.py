@@ -54,7 +54,8 @@ def rate(variant: str, workload: str, batches: int) -> float:
         for k in range(batches):
             batch = next(it)
             first = k * batch_size
-            if int(batch[0].flatten()[0]) != first % 256 or not torch.equal(batch[-1], dataset.items[(first + batch_size - 1) % 256]):
+            last = dataset.items[(first + batch_size - 1) % 256]
+            if int(batch[0].flatten()[0]) != first % 256 or not torch.equal(batch[-1], last):
                 raise AssertionError(f"{variant}: batch {k} is not the dataset's")
         took = time.perf_counter() - began
         del it, batch
