@@ -163,6 +163,44 @@ static PyObject *py_yield_wait(PyObject *self, PyObject *const *args, Py_ssize_t
     return PyLong_FromSsize_t(took);
 }
 
+PyDoc_STRVAR(yield_wait_timed_doc,
+"yield_wait_timed($module, buffer, offset, bound, slow_ns, /)\n--\n\n"
+"yield_wait, each yield timed: it stops at the first yield that took more than slow_ns (another\n"
+"process ran its time slice: a CPU-bound neighbour shares this CPU). Returns (took, slow): how\n"
+"many yields it took to get a token (0: none came), and whether it stopped at a slow yield (a\n"
+"token found right after one is taken all the same).");
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static PyObject *py_yield_wait_timed(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t offset, bound, slow_ns, took = 0;
+    int slow = 0;
+    Py_buffer view;
+    if (!nargs_is("yield_wait_timed", nargs, 4) || !as_ssize(args[1], &offset) || !as_ssize(args[2], &bound) ||
+        !as_ssize(args[3], &slow_ns))
+        return NULL;
+    char *p = at(args[0], &view, offset, SEM_STRIDE, 8);
+    if (p == NULL) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 1; i <= bound; i++) {
+        int64_t began = now_ns();
+        sched_yield();
+        slow = now_ns() - began > slow_ns;
+        if (sem_trywait((sem_t *)p) == 0) {  /* (as in yield_wait: another failure shows in the sem_wait after) */
+            took = i;
+            break;
+        }
+        if (slow) break;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    return Py_BuildValue("(nO)", took, slow ? Py_True : Py_False);
+}
+
 PyDoc_STRVAR(load_acquire_doc,
 "load_acquire($module, buffer, offset, /)\n--\n\n"
 "The int64 at buffer[offset] (8-byte aligned), read with acquire ordering: every write the\n"
@@ -500,6 +538,7 @@ PyMethodDef shmloader_sync_methods[] = {
     {"sem_post", (PyCFunction)(void (*)(void))py_sem_post, METH_FASTCALL, sem_post_doc},
     {"sem_wait", (PyCFunction)(void (*)(void))py_sem_wait, METH_FASTCALL, sem_wait_doc},
     {"yield_wait", (PyCFunction)(void (*)(void))py_yield_wait, METH_FASTCALL, yield_wait_doc},
+    {"yield_wait_timed", (PyCFunction)(void (*)(void))py_yield_wait_timed, METH_FASTCALL, yield_wait_timed_doc},
     {"load_acquire", (PyCFunction)(void (*)(void))py_load_acquire, METH_FASTCALL, load_acquire_doc},
     {"store_release", (PyCFunction)(void (*)(void))py_store_release, METH_FASTCALL, store_release_doc},
     {NULL, NULL, 0, NULL},

@@ -14,7 +14,6 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-import time
 from typing import Any
 
 import numpy as np
@@ -41,40 +40,55 @@ class YieldWait:
     A CPU shared with a process that never sleeps (a CPU-bound neighbour: another container,
     another rank spinning in CUDA's synchronisation) turns each yield into that process's whole
     time slice, milliseconds: beside two such neighbours on 2 CPUs a loader that yielded fell to
-    torch's rate whenever one shared its CPU (bench/RESULTS.md, 2026-12-05). So yields are timed:
-    when they take more than ``CONTENDED_NS`` each on average, the waiter stops yielding and
-    sleeps at once (a sleeper is woken ahead of a CPU hog) for its next ``QUIET`` waits, then
-    tries ``least`` yields again: the neighbour may have gone."""
+    torch's rate whenever one shared its CPU (bench/RESULTS.md, 2026-12-05). So each yield is
+    timed (``_native.yield_wait_timed``): a wait stops at a yield that took more than
+    ``CONTENDED_NS`` and is slow, and the next waits yield ``least`` times at most. ``STRIKES``
+    slow waits in a row (one alone is a peer's pause: a collection, a page fault) make the yields
+    contended: the waiter then sleeps at once (a sleeper is woken ahead of a CPU hog) for its
+    next ``QUIET`` waits, and tries ``least`` yields again (the neighbour may have gone). Found
+    contended again at once, it stays quiet twice as long, up to ``QUIET_MOST`` waits; a fast
+    wait starts over. (One slow wait in four would do beside neighbours, but an idle machine's
+    peers pause often enough that it cost tiny batches 20% of their rate there.)"""
 
     MOST, LEAST = 64, 4
     CONTENDED_NS = 200_000  # a yield this long ran another process's slice (ms), not a peer's batch (µs)
-    QUIET = 1024  # waits that sleep at once after contended yields, before yields are tried again
-    __slots__ = ("most", "least", "bound", "quiet")
+    STRIKES = 4  # slow waits in a row that make the yields contended
+    QUIET, QUIET_MOST = 1024, 16384  # waits that sleep at once after contended yields
+    __slots__ = ("most", "least", "bound", "quiet", "strikes", "quiet_for", "probing")
 
     def __init__(self) -> None:
         self.most, self.least = self.MOST, self.LEAST
         self.bound = self.most
         self.quiet = 0  # waits left that sleep without yielding (the yields were contended)
+        self.strikes = 0  # slow waits in a row
+        self.quiet_for = self.QUIET  # how long the next quiet lasts
+        self.probing = False  # this wait is the first after a quiet: one slow one is enough
 
     def __call__(self, mm: mmap.mmap, sem: int) -> bool:
         if self.quiet:
             self.quiet -= 1
+            self.probing = not self.quiet
             return False
         bound = self.bound
-        began = _clock()
-        took = _native.yield_wait(mm, sem, bound)
-        if _clock() - began > (took or bound) * self.CONTENDED_NS:
-            self.quiet = self.QUIET
+        took, slow = _native.yield_wait_timed(mm, sem, bound, self.CONTENDED_NS)
+        if slow:  # (it stopped at that yield: a slow wait costs one slice, not ``bound``)
+            self.strikes += 1
             self.bound = self.least
+            if self.probing or self.strikes >= self.STRIKES:
+                self.quiet = self.quiet_for
+                self.quiet_for = min(2 * self.quiet_for, self.QUIET_MOST)
+                self.strikes = 0
+                self.probing = False
             return bool(took)
+        self.strikes = 0
+        if self.probing:
+            self.probing = False
+            self.quiet_for = self.QUIET
         if took:
             self.bound = self.most
             return True
         self.bound = max(self.least, bound // 2)
         return False
-
-
-_clock = time.monotonic_ns  # (YieldWait's: a test makes the yields' time its own)
 
 
 class Doorbell:

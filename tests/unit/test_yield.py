@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mmap
 import types
+from typing import Any
 
 import pytest
 
@@ -12,7 +13,6 @@ from shmloader import _native
 from shmloader._stats import Counters
 from shmloader.main.scheduler import Scheduler
 from shmloader.main.wait import Ready, Waiter
-from shmloader.wire import ring as ring_module
 from shmloader.wire.ring import YieldWait
 
 SEM = 64  # the ready semaphore's offset in the test's buffer
@@ -37,21 +37,23 @@ def no_sleep() -> None:
 
 
 @pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The yields' clock, made the test's: each reading advances it by ``step[0]`` ns (1 µs: an
-    idle CPU's yield; a busy CI machine's real yields could look contended)."""
-    step = [1_000]
-    now = [0]
+def yields_slow(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """The yields' speed, made the test's: ``yields_slow[0]`` says whether a wait's yields were
+    slow (another process's slice); the yields and looks are real. (A busy CI machine's real
+    yields could look slow.)"""
+    slow = [False]
+    bounds: list[int] = []
 
-    def read() -> int:
-        now[0] += step[0]
-        return now[0]
+    def timed(mm: mmap.mmap, sem: int, bound: int, slow_ns: int) -> tuple[int, bool]:
+        bounds.append(bound)
+        return _native.yield_wait(mm, sem, 1 if slow[0] else bound), slow[0]
 
-    monkeypatch.setattr(ring_module, "_clock", read)
-    return step
+    monkeypatch.setattr(_native, "yield_wait_timed", timed)
+    slow.append(bounds)  # type: ignore[arg-type]
+    return slow
 
 
-def test_misses_halve_the_bound_down_to_its_floor_and_a_hit_restores_it(clock: list[int]) -> None:
+def test_misses_halve_the_bound_down_to_its_floor_and_a_hit_restores_it(yields_slow: list[Any]) -> None:
     ring = Ring()
     yields = YieldWait()
     bounds = []
@@ -86,36 +88,58 @@ def test_yield_wait_says_how_many_yields_it_took_and_takes_one_token() -> None:
     assert _native.yield_wait(ring.mm, SEM, 5) == 0
 
 
-def test_contended_yields_stop_yielding_for_a_while_then_yields_are_tried_again(
-        clock: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
-    # A yield that takes a neighbour's whole slice (here 1 ms each) is contended: the next QUIET
-    # waits sleep at once (no yield at all), then a wait tries `least` yields again.
+def test_slow_yields_in_a_row_make_a_quiet_spell_then_yields_are_tried_again(
+        yields_slow: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Yields that take a neighbour's slice: each slow wait stops at its slow yield and the next
+    # yield `least` times; STRIKES of them in a row make the next QUIET waits sleep at once (no
+    # yield at all). Then `least` yields again; slow at once, the spell is twice as long.
     ring = Ring()
-    calls: list[int] = []
-    real = _native.yield_wait
-
-    def counted(mm: mmap.mmap, sem: int, bound: int) -> int:
-        calls.append(bound)
-        return real(mm, sem, bound)
-
-    monkeypatch.setattr(_native, "yield_wait", counted)
+    bounds = yields_slow[1]
     monkeypatch.setattr(YieldWait, "QUIET", 3)
     yields = YieldWait()
-    clock[0] = YieldWait.CONTENDED_NS * 64 + 1  # 64 yields at just over CONTENDED_NS each
-    assert not yields(ring.mm, SEM) and calls == [64]
-    clock[0] = 1_000
+    yields_slow[0] = True
+    for _ in range(YieldWait.STRIKES):
+        assert not yields(ring.mm, SEM)
+    assert bounds == [64, 4, 4, 4] and yields.quiet == 3
     for _ in range(3):
         assert not yields(ring.mm, SEM)  # quiet: the caller sleeps on the semaphore at once
-    assert calls == [64]
+    assert len(bounds) == 4
+    assert not yields(ring.mm, SEM)  # tried again, slow at once: quiet for twice as long
+    assert bounds[4:] == [4] and yields.quiet == 6
+    for _ in range(6):
+        yields(ring.mm, SEM)
+    yields_slow[0] = False
     _native.sem_post(ring.mm, SEM)
-    assert yields(ring.mm, SEM) and calls == [64, 4]  # tried again, from the floor: a token came
-    assert yields.bound == 64  # uncontended, it yields as before
+    assert yields(ring.mm, SEM) and bounds[5:] == [4]  # fast again: a token came
+    assert yields.bound == 64 and yields.quiet_for == 3  # it yields as before; a next spell starts over
 
 
-def test_a_token_found_by_contended_yields_is_still_taken(clock: list[int]) -> None:
+def test_one_slow_wait_is_a_peers_pause_not_a_neighbour(yields_slow: list[Any]) -> None:
+    ring = Ring()
+    yields = YieldWait()
+    yields_slow[0] = True
+    assert not yields(ring.mm, SEM)
+    yields_slow[0] = False
+    assert not yields(ring.mm, SEM)  # a fast wait: the strikes start over
+    yields_slow[0] = True
+    for _ in range(YieldWait.STRIKES - 1):
+        assert not yields(ring.mm, SEM)
+    assert yields.quiet == 0
+
+
+def test_a_token_found_after_a_slow_yield_is_still_taken(yields_slow: list[Any]) -> None:
     ring = Ring()
     yields = YieldWait()
     _native.sem_post(ring.mm, SEM)
-    clock[0] = 10 * YieldWait.CONTENDED_NS  # the one yield before the token came took a slice
+    yields_slow[0] = True
     assert yields(ring.mm, SEM)  # the token it took is the caller's
-    assert yields.quiet == YieldWait.QUIET and not _native.sem_wait(ring.mm, SEM, 0)
+    assert not _native.sem_wait(ring.mm, SEM, 0)
+
+
+def test_yield_wait_timed_stops_at_a_slow_yield_and_takes_a_token() -> None:
+    ring = Ring()
+    assert _native.yield_wait_timed(ring.mm, SEM, 5, 10**12) == (0, False)  # none came, no yield was slow
+    assert _native.yield_wait_timed(ring.mm, SEM, 5, -1) == (0, True)  # every yield is "slow": stops at the first
+    _native.sem_post(ring.mm, SEM)
+    assert _native.yield_wait_timed(ring.mm, SEM, 5, -1) == (1, True)  # the token is taken all the same
+    assert not _native.sem_wait(ring.mm, SEM, 0)
