@@ -35,7 +35,7 @@ class YieldWait:
     small batch's cost. The bound is ``most`` after a token came while yielding and halves
     after each miss, down to ``least``, so a waiter whose peer takes milliseconds barely
     yields (``least`` yields, ~1 µs each on an idle CPU). The yields and looks are one native
-    call with the GIL released (``_native.yield_wait``); a hit takes the semaphore's token.
+    call with the GIL released (``_native.yield_wait_timed``); a hit takes the semaphore's token.
 
     A CPU shared with a process that never sleeps (a CPU-bound neighbour: another container,
     another rank spinning in CUDA's synchronisation) turns each yield into that process's whole

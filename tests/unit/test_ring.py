@@ -106,23 +106,28 @@ def test_a_worker_yields_for_a_task_before_it_sleeps_and_yields_less_after_each_
     main = Poster(ring, 7)
     try:
         worker = AttachedRing(ring.geometry, ring.mm, 1)
+        real = _native.yield_wait
+
+        def fast(buffer: Any, sem: int, bound: int, slow_ns: int) -> tuple[int, bool]:
+            return real(buffer, sem, bound), False  # (real yields, never slow: a busy machine's could be)
+
+        monkeypatch.setattr(_ring._native, "yield_wait_timed", fast)
         bounds = []
         for _ in range(6):  # nothing comes: yields, then the timed wait; the bound halves down to its floor
             bounds.append(worker.yields.bound)
             assert worker.take_task(0.01) is None
         assert bounds == [64, 32, 16, 8, 4, 4]
-        real = _native.yield_wait
         seen = []
 
-        def post_then_yield(buffer: Any, sem: int, bound: int) -> int:
+        def post_then_yield(buffer: Any, sem: int, bound: int, slow_ns: int) -> tuple[int, bool]:
             seen.append(bound)
             assert main.post_task(1, 2, 7, 41, [3, 4, 5]) == 1  # the main process posts while the worker yields
-            return real(buffer, sem, bound)
+            return real(buffer, sem, bound), False
 
-        monkeypatch.setattr(_ring._native, "yield_wait", post_then_yield)
+        monkeypatch.setattr(_ring._native, "yield_wait_timed", post_then_yield)
         assert worker.take_task(5.0) == (2, 7, 41, [3, 4, 5], False)  # taken by the yields, then read at once
         assert seen == [4] and worker.yields.bound == 64  # a task that came while yielding restores the bound
-        monkeypatch.setattr(_ring._native, "yield_wait", real)
+        monkeypatch.setattr(_ring._native, "yield_wait_timed", fast)
         assert main.post_task(1, 0, 7, 42, [6]) == 1
         assert worker.take_task(5.0) == (0, 7, 42, [6], False)  # queued already: no yields at all
         assert worker.yields.bound == 64

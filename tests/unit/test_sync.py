@@ -100,6 +100,7 @@ def test_publication_across_processes_is_never_torn() -> None:
     lambda mm: _native.store_release(mm, -8, 1),
     lambda mm: _native.sem_wait(mm, 4096, 0),
     lambda mm: _native.yield_wait(mm, 4096 - 32, 1),
+    lambda mm: _native.yield_wait_timed(mm, 4096 - 32, 1, 0),
 ])
 def test_offsets_outside_the_buffer_or_misaligned_are_refused(call: object) -> None:
     mm = mmap.mmap(-1, 4096)
