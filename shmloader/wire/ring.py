@@ -45,23 +45,24 @@ class YieldWait:
     ``CONTENDED_NS`` and is slow, and the next waits yield ``least`` times at most. ``STRIKES``
     slow waits in a row (one alone is a peer's pause: a collection, a page fault) make the yields
     contended: the waiter then sleeps at once (a sleeper is woken ahead of a CPU hog) for its
-    next ``QUIET`` waits, and tries ``least`` yields again (the neighbour may have gone). Found
-    contended again at once, it stays quiet twice as long, up to ``QUIET_MOST`` waits; a fast
-    wait starts over. (One slow wait in four would do beside neighbours, but an idle machine's
-    peers pause often enough that it cost tiny batches 20% of their rate there.)"""
+    next ``QUIET`` waits, and tries ``least`` yields again (the neighbour may have gone, or moved
+    to another CPU); found contended again at once, it is quiet again. (One slow wait would do
+    beside neighbours, but an idle machine's peers pause often enough that it cost tiny batches
+    20% of their rate there. Quiet spells that doubled while the neighbour stayed kept a loader
+    sleeping after the scheduler had moved its processes away from the neighbours: a third of
+    the rate that yielding has there.)"""
 
     MOST, LEAST = 64, 4
     CONTENDED_NS = 200_000  # a yield this long ran another process's slice (ms), not a peer's batch (µs)
     STRIKES = 4  # slow waits in a row that make the yields contended
-    QUIET, QUIET_MOST = 1024, 16384  # waits that sleep at once after contended yields
-    __slots__ = ("most", "least", "bound", "quiet", "strikes", "quiet_for", "probing")
+    QUIET = 1024  # waits that sleep at once after contended yields
+    __slots__ = ("most", "least", "bound", "quiet", "strikes", "probing")
 
     def __init__(self) -> None:
         self.most, self.least = self.MOST, self.LEAST
         self.bound = self.most
         self.quiet = 0  # waits left that sleep without yielding (the yields were contended)
         self.strikes = 0  # slow waits in a row
-        self.quiet_for = self.QUIET  # how long the next quiet lasts
         self.probing = False  # this wait is the first after a quiet: one slow one is enough
 
     def __call__(self, mm: mmap.mmap, sem: int) -> bool:
@@ -75,15 +76,12 @@ class YieldWait:
             self.strikes += 1
             self.bound = self.least
             if self.probing or self.strikes >= self.STRIKES:
-                self.quiet = self.quiet_for
-                self.quiet_for = min(2 * self.quiet_for, self.QUIET_MOST)
+                self.quiet = self.QUIET
                 self.strikes = 0
                 self.probing = False
             return bool(took)
         self.strikes = 0
-        if self.probing:
-            self.probing = False
-            self.quiet_for = self.QUIET
+        self.probing = False
         if took:
             self.bound = self.most
             return True

@@ -92,7 +92,7 @@ def test_slow_yields_in_a_row_make_a_quiet_spell_then_yields_are_tried_again(
         yields_slow: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
     # Yields that take a neighbour's slice: each slow wait stops at its slow yield and the next
     # yield `least` times; STRIKES of them in a row make the next QUIET waits sleep at once (no
-    # yield at all). Then `least` yields again; slow at once, the spell is twice as long.
+    # yield at all). Then `least` yields again; slow at once, it is quiet again at once.
     ring = Ring()
     bounds = yields_slow[1]
     monkeypatch.setattr(YieldWait, "QUIET", 3)
@@ -104,14 +104,14 @@ def test_slow_yields_in_a_row_make_a_quiet_spell_then_yields_are_tried_again(
     for _ in range(3):
         assert not yields(ring.mm, SEM)  # quiet: the caller sleeps on the semaphore at once
     assert len(bounds) == 4
-    assert not yields(ring.mm, SEM)  # tried again, slow at once: quiet for twice as long
-    assert bounds[4:] == [4] and yields.quiet == 6
-    for _ in range(6):
+    assert not yields(ring.mm, SEM)  # tried again, slow at once: quiet again
+    assert bounds[4:] == [4] and yields.quiet == 3
+    for _ in range(3):
         yields(ring.mm, SEM)
     yields_slow[0] = False
     _native.sem_post(ring.mm, SEM)
     assert yields(ring.mm, SEM) and bounds[5:] == [4]  # fast again: a token came
-    assert yields.bound == 64 and yields.quiet_for == 3  # it yields as before; a next spell starts over
+    assert yields.bound == 64 and not yields.probing  # it yields as before: a next spell needs STRIKES again
 
 
 def test_one_slow_wait_is_a_peers_pause_not_a_neighbour(yields_slow: list[Any]) -> None:
