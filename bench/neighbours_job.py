@@ -65,6 +65,8 @@ def rate(variant: str, workload: str, batches: int) -> float:
 
 
 def main() -> None:
+    if torch.multiprocessing.get_start_method() != "fork":  # (spawned workers would keep the timed yields)
+        raise SystemExit("neighbours_job.py compares yields timed and untimed through workers forked from this process")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--neighbours", default="1,2")
     p.add_argument("--rounds", type=int, default=3)

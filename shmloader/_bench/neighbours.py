@@ -1,10 +1,12 @@
 """CPU-bound neighbours for ``shmloader bench --neighbours``: processes at the loader's own
-priority that never sleep (``while True: pass``), as other containers on a shared node, other
-ranks' spinning processes (CUDA's default synchronisation spins) or a busy notebook are."""
+priority that never sleep (``while True: pass``, in effect), as other containers on a shared
+node, other ranks' spinning processes (CUDA's default synchronisation spins) or a busy notebook
+are. Each exits by itself once the bench is gone (killed, say), never left spinning."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 from typing import Iterator
@@ -12,6 +14,10 @@ from typing import Iterator
 # The pids of the neighbours running now: not the loader's, so the measures of its process tree
 # (CPU, memory) leave them out.
 RUNNING: set[int] = set()
+# Spins; every million iterations (milliseconds) it looks whether its parent, the bench (whose
+# pid it is given: one killed before the child's first look would not be its parent then), is gone.
+SPIN = ("# shmloader bench neighbour\nimport os, sys\nwhile os.getppid() == int(sys.argv[1]):\n"
+        "    for _ in range(1_000_000):\n        pass\n")
 
 
 @contextlib.contextmanager
@@ -20,7 +26,7 @@ def neighbours(n: int) -> Iterator[list[subprocess.Popen[bytes]]]:
     procs = []
     try:
         for _ in range(n):
-            procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL))
+            procs.append(subprocess.Popen([sys.executable, "-c", SPIN, str(os.getpid())], stdin=subprocess.DEVNULL))
             RUNNING.add(procs[-1].pid)
         yield procs
     finally:
@@ -38,7 +44,11 @@ def counts(text: str | None) -> list[int]:
         return [0]
     asked = set()
     for part in text.split(","):
-        n = int(part)
+        try:
+            n = int(part)
+        except ValueError:
+            raise SystemExit(f"--neighbours: counts of neighbour processes, comma-separated (1,2), "
+                             f"not {text!r}") from None
         if n < 0:
             raise SystemExit(f"--neighbours: a count of neighbour processes is at least 0, not {n}")
         asked.add(n)

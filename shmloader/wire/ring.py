@@ -53,7 +53,9 @@ class YieldWait:
     the rate that yielding has there.)"""
 
     MOST, LEAST = 64, 4
-    CONTENDED_NS = 200_000  # a yield this long ran another process's slice (ms), not a peer's batch (µs)
+    # A yield this long ran another process's time slice (ms), or a peer's batch over 200 µs: a
+    # quiet spell then costs a futex wake per such batch, which is small beside it.
+    CONTENDED_NS = 200_000
     STRIKES = 4  # slow waits in a row that make the yields contended
     QUIET = 1024  # waits that sleep at once after contended yields
     __slots__ = ("most", "least", "bound", "quiet", "strikes", "probing")
@@ -66,7 +68,7 @@ class YieldWait:
         self.probing = False  # this wait is the first after a quiet: one slow one is enough
 
     def __call__(self, mm: mmap.mmap, sem: int) -> bool:
-        if self.quiet:
+        if self.quiet > 0:
             self.quiet -= 1
             self.probing = not self.quiet
             return False

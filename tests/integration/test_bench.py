@@ -248,7 +248,7 @@ def test_torchdata_nodes_peers_run_in_threads_and_processes_and_stop(tmp_path: p
 
 
 def _neighbours_running() -> int:
-    """This process's children that are bench neighbours (``while True: pass``), from /proc."""
+    """This process's children that are bench neighbours (``neighbours.SPIN``), from /proc."""
     me, count = str(os.getpid()), 0
     for entry in os.listdir("/proc"):
         try:
@@ -258,7 +258,7 @@ def _neighbours_running() -> int:
                 cmdline = f.read()
         except (OSError, IndexError):
             continue
-        count += parent == me and b"while True: pass" in cmdline
+        count += parent == me and b"# shmloader bench neighbour" in cmdline
     return count
 
 
@@ -300,9 +300,34 @@ def test_neighbours_run_beside_each_loader_and_ratios_pair_within_a_crowd(
     assert "| tiny | shmloader | 2 | 950 (400, 1,500) | 10.00x | 18% |" in text
 
 
-def test_neighbours_flag_refuses_a_negative_count() -> None:
+def test_neighbours_flag_refuses_a_negative_count_or_a_word() -> None:
     with pytest.raises(SystemExit, match="at least 0"):
         cli.main(["bench", "--neighbours", "-1", "--workloads", "tiny", "--batches", "1"])
+    with pytest.raises(SystemExit, match="comma-separated"):
+        cli.main(["bench", "--neighbours", "1,,2", "--workloads", "tiny", "--batches", "1"])
+
+
+def test_a_neighbour_exits_by_itself_once_the_bench_is_gone() -> None:
+    # The bench killed outright (no finally runs): its neighbours must not spin on forever.
+    from shmloader._bench import neighbours
+
+    code = ("import os, subprocess, sys\n"
+            f"p = subprocess.Popen([sys.executable, '-c', {neighbours.SPIN!r}, str(os.getpid())])\n"
+            "print(p.pid, flush=True)\n"
+            "sys.stdin.read()\n")
+    import select
+
+    with subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True) as bench:
+        assert bench.stdout is not None
+        pid = int(bench.stdout.readline())
+        fd = os.pidfd_open(pid)  # (the neighbour is re-parented once the bench dies: not ours to reap)
+        try:
+            bench.kill()
+            bench.wait()
+            assert select.select([fd], [], [], 30)[0] == [fd]  # readable once the neighbour has exited
+        finally:
+            os.close(fd)
 
 
 def test_the_loaders_process_tree_leaves_the_neighbours_out() -> None:
