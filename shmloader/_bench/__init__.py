@@ -39,7 +39,8 @@ from .workloads import CACHE, WORKLOADS, Workload
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shmloader bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
+    p.add_argument("--workloads", default=",".join(w for w, work in WORKLOADS.items() if not work.by_name),
+                   help=f"comma-separated, of {', '.join(WORKLOADS)} (big: only when named)")
     p.add_argument("--loaders", default=",".join(LOADERS), help=f"comma-separated, of {', '.join(LOADERS)}")
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--prefetch-factor", type=int, default=2)

@@ -151,6 +151,7 @@ class Workload:
     # first epoch is the measured warm-up, as the ring adapts to the batches it sees.
     epochs: bool = False
     hold: bool = False  # the loop keeps every batch of a repeat (a replay buffer)
+    by_name: bool = False  # run only when named (--workloads): too large for the default run
 
 
 def _ready(shape: tuple[int, ...], dtype: torch.dtype) -> Callable[..., Dataset]:  # type: ignore[type-arg]
@@ -205,6 +206,8 @@ WORKLOADS: dict[str, Workload] = {
         Workload("tiny", 32, 2000, 300, _ready((16,), torch.float32), "32 x float32[16], ready tensors"),
         Workload("tokens", 64, 2000, 300, _ready((512,), torch.int64), "64 x int64[512], ready tensors"),
         Workload("image", 128, 200, 30, _ready((3, 224, 224), torch.uint8), "128 x uint8[3,224,224], ready tensors"),
+        Workload("big", 16, 12, 4, _ready((4096, 1024), torch.float32),
+                 "16 x float32[4096,1024] (256 MiB), ready tensors: the workers the bottleneck", by_name=True),
         Workload("hold", 64, 600, 200, _ready((1024,), torch.float32),
                  "64 x float32[1024], ready tensors, every batch kept by the loop (a replay buffer)", hold=True),
         Workload(
