@@ -66,8 +66,7 @@ class Checkpointed(Progressing, Protocol):
 
 @runtime_checkable
 class Replaying(Protocol):
-    """An iterator that puts the RNG back once a resume's batches were made again (both of
-    shmloader's: ``after_replay``, None when there is nothing to put back)."""
+    """Puts the RNG back once a resume's batches were made again (None: nothing to put back)."""
 
     after_replay: Callable[[], None] | None
 
