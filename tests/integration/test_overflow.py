@@ -269,37 +269,40 @@ def test_property_random_batch_sizes_equal_torch(plan: list[tuple[int, int, int,
         assert sorted(map(canonical, got)) == sorted(map(canonical, want))
 
 
+# Every batch but the first overflows; the budget holds about three of them beside the ring and
+# cannot hold a grown ring.
+OVERFLOWING = [1] * 4 + [20_000] * 60
+
+
+def _break_off(loader: Any, want: list[Any]) -> None:
+    """One epoch of ``loader``, checked against torch's batches, broken off after its 4th."""
+    for i, batch in enumerate(loader):
+        same(batch, want[i])
+        if i == 3:
+            break
+
+
 def test_breaking_off_epochs_returns_their_overflow_memory_to_the_budget() -> None:
-    # Every batch but the first overflows; the budget holds about three of them beside the
-    # ring and cannot hold a grown ring. Batches granted, then dropped by a new epoch, must
-    # give their memory back, or the later epochs would run out of budget.
-    sizes = [1] * 4 + [20_000] * 60
-    loader = shmloader.DataLoader(Sized(sizes), batch_size=4, num_workers=2, persistent_workers=True,
+    # Batches granted, then dropped by a new epoch, must give their memory back, or the later
+    # epochs would run out of budget.
+    loader = shmloader.DataLoader(Sized(OVERFLOWING), batch_size=4, num_workers=2, persistent_workers=True,
                                   memory_budget=1_100_000)
-    want = list(tud.DataLoader(Sized(sizes), batch_size=4))
+    want = list(tud.DataLoader(Sized(OVERFLOWING), batch_size=4))
     for _ in range(6):
-        for i, batch in enumerate(loader):
-            same(batch, want[i])
-            if i == 3:
-                break
+        _break_off(loader, want)
     same([b.clone() for b in loader], want)
     assert loader.stats().ring_growths == 0 and loader.stats().copies == 0
 
 
 def test_an_epoch_broken_off_with_memory_granted_leaves_none_counted() -> None:
-    # Every batch but the first overflows, so tasks hold overflow memory granted and not yet
-    # delivered when a broken-off epoch stops its workers (in most epochs: when the next batch's
-    # request came before the break): once its batches are gone too, the loader counts no memory
-    # (memory_budget would otherwise shrink with each such epoch).
-    sizes = [1] * 4 + [20_000] * 60
-    loader = shmloader.DataLoader(Sized(sizes), batch_size=4, num_workers=2, memory_budget=1_100_000)
-    want = list(tud.DataLoader(Sized(sizes), batch_size=4))
+    # Tasks hold overflow memory granted and not yet delivered when a broken-off epoch stops its
+    # workers (in most epochs: when the next batch's request came before the break): once its
+    # batches are gone too, the loader counts no memory (memory_budget would otherwise shrink
+    # with each such epoch).
+    loader = shmloader.DataLoader(Sized(OVERFLOWING), batch_size=4, num_workers=2, memory_budget=1_100_000)
+    want = list(tud.DataLoader(Sized(OVERFLOWING), batch_size=4))
     for _ in range(8):
-        for i, batch in enumerate(loader):
-            same(batch, want[i])
-            if i == 3:
-                break
-        del batch
+        _break_off(loader, want)  # (its batches die with the helper's frame)
         gc.collect()
         assert loader._shm_memory.in_use == 0, (loader._shm_memory.rings, loader._shm_memory.overflow)
 
