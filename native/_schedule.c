@@ -1049,6 +1049,21 @@ static PyObject *m_set_own(Scheduler *t, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(set_cap_doc, "set_cap($self, cap, /)\n--\n\n"
+"The loader's depth changed (shmloader/main/depth.py): up to `cap` tasks may exist at once from\n"
+"now on. Tasks beyond a lower cap are not cut short: fewer are dispatched until they are done.");
+
+static PyObject *m_set_cap(Scheduler *t, PyObject *arg) {
+    Py_ssize_t cap = PyLong_AsSsize_t(arg);
+    if (cap == -1 && PyErr_Occurred()) return NULL;
+    if (cap < 1) {
+        PyErr_Format(PyExc_ValueError, "set_cap(%zd): at least one task must be allowed", cap);
+        return NULL;
+    }
+    t->cap = cap;
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(start_round_robin_at_doc, "start_round_robin_at($self, worker, /)\n--\n\n"
 "The round robin's next worker (a resumed epoch goes on after the last worker that delivered).");
 
@@ -1063,6 +1078,7 @@ static PyMethodDef scheduler_methods[] = {
     {"bank_token", (PyCFunction)m_bank_token, METH_NOARGS, bank_token_doc},
     {"skip_result", (PyCFunction)m_skip_result, METH_O, skip_result_doc},
     {"set_own", (PyCFunction)m_set_own, METH_O, set_own_doc},
+    {"set_cap", (PyCFunction)m_set_cap, METH_O, set_cap_doc},
     {"start_round_robin_at", (PyCFunction)m_start_round_robin_at, METH_O, start_round_robin_at_doc},
     {"step", (PyCFunction)(void (*)(void))step, METH_FASTCALL, step_doc},
     {"reclaim", (PyCFunction)m_reclaim, METH_O, reclaim_doc},

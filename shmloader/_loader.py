@@ -18,6 +18,7 @@ from shmloader import _accel, _checkpoint, _state_layout
 from shmloader._stats import Counters, LoaderStats
 from shmloader.main import device as _device
 from shmloader.main.budget import parse_size
+from shmloader.main.depth import DEFAULT, Depth
 from shmloader.main.inprocess import InProcessIterator
 from shmloader.main.iterator import RingIterator
 from shmloader.main.overflow import LoaderMemory
@@ -35,11 +36,13 @@ def check_options(*, slot_bytes: int | None, device_prefetch: int, max_worker_re
 
 def attach_options(loader: Any, *, slot_bytes: int | None = None, device: str | torch.device | None = None,
                    device_prefetch: int = 2, memory_budget: int | str | None = None,
-                   max_worker_restarts: int = 3) -> None:
+                   max_worker_restarts: int = 3, prefetch_given: bool = True) -> None:
     """Give ``loader`` (a shmloader.DataLoader, or torch's own under ``shmloader.install()``)
     shmloader's options as attributes (public ones, so frameworks that re-create a loader from
     its attributes keep them) and what its ring iterators read and write. (Its parameters are
-    shmloader's options, keyword-only, as DataLoader takes them.)"""
+    shmloader's options, keyword-only, as DataLoader takes them, and whether ``prefetch_factor``
+    was given: without it the depth adapts, ``main.depth``. torch's own loader under install()
+    cannot say, and keeps torch's meaning.)"""
     check_options(slot_bytes=slot_bytes, device_prefetch=device_prefetch, max_worker_restarts=max_worker_restarts)
     if loader.num_workers > 0:
         _accel.warn_if_off()  # (its workers would stack with torch.stack: said once, at the user's line)
@@ -49,6 +52,7 @@ def attach_options(loader: Any, *, slot_bytes: int | None = None, device: str | 
     loader._shm_memory_budget = None if memory_budget is None else parse_size(memory_budget)
     loader._shm_counters = Counters()
     loader._shm_memory = LoaderMemory()  # every byte of shared memory the loader's iterators map
+    loader._shm_depth = Depth(loader.prefetch_factor or DEFAULT, prefetch_given)  # batches in flight per worker
     loader.device = device
     loader.device_prefetch = device_prefetch
     loader._shm_device = _device.parse_device(device, loader.num_workers)
@@ -73,6 +77,8 @@ def stats_of(loader: Any, it: Any) -> LoaderStats:
         ring_growths=c.ring_growths,
         worker_busy=() if it is None else it.worker_busy(),
         ring=None if it is None else it.occupancy(),
+        depth=loader._shm_depth.prefetch if loader.num_workers else 0,
+        depth_why=loader._shm_depth.why if loader.num_workers else "num_workers=0: batches are made in the loop",
     )
 
 
@@ -138,6 +144,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     max_worker_restarts: int
     device: str | torch.device | None
     device_prefetch: int
+    _shm_depth: Depth
     _shm_resume_seed: tuple[int, torch.Tensor] | None
     _shm_resume_plan: _state_layout.Plan | None
     _shm_epoch_start: _state_layout.EpochStart | None
@@ -194,7 +201,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         _checkpoint.check_snapshot_every(snapshot_every_n_steps)
         self.snapshot_every_n_steps = snapshot_every_n_steps
         attach_options(self, slot_bytes=slot_bytes, device=device, device_prefetch=device_prefetch,
-                       memory_budget=memory_budget, max_worker_restarts=max_worker_restarts)
+                       memory_budget=memory_budget, max_worker_restarts=max_worker_restarts,
+                       prefetch_given=prefetch_factor is not None)
         self._shm_iterators: weakref.WeakSet[RingIterator] = weakref.WeakSet()
         for watch in created:
             watch(self)

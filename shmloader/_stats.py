@@ -56,7 +56,8 @@ class RingOccupancy:
     """Where the ring's slots are right now."""
 
     slots: int
-    """Slots in the ring (``num_workers * prefetch_factor + 1`` unless ``memory_budget`` lowered it)."""
+    """Slots in the ring: ``num_workers * prefetch_factor + 1`` (the deepest the depth may grow
+    to, when it adapts) unless ``memory_budget`` lowered it."""
     slot_bytes: int
     """Bytes of one slot's data region."""
     free: int
@@ -99,6 +100,12 @@ class LoaderStats:
     blocked_s: float = 0.0
     """The part of ``wait_s`` spent blocked, waiting for workers (or a device copy); the rest
     is the loader's own per-batch work in the consumer's process."""
+    depth: int = 0
+    """Batches in flight per worker now (torch's ``prefetch_factor``): the one given, or, without
+    it, the depth that adapts (torch's default 2, deeper for small batches while the loop waits
+    on idle workers)."""
+    depth_why: str = ""
+    """Why ``depth`` is what it is, in one sentence."""
 
     @property
     def loader_bound(self) -> float:

@@ -33,6 +33,13 @@ def parse_size(value: int | str, name: str = "memory_budget") -> int:
     return n
 
 
+def slot_size(batch_bytes: int | None, slot_bytes: int | None) -> int:
+    """The data bytes of each slot of a ring planned for ``slot_bytes`` (rounded up to a page)
+    or, without it, for batches of exactly ``batch_bytes``."""
+    assert slot_bytes is not None or batch_bytes is not None
+    return round_up(slot_bytes, PAGE) if slot_bytes is not None else slot_data_bytes(batch_bytes or 0)
+
+
 def plan_ring(
     num_workers: int,
     prefetch_factor: int,
@@ -57,8 +64,7 @@ def plan_ring(
     slot per worker, down to one slot (the workers take turns; batches are copied out of it),
     so that a budget that held the first epoch holds every epoch.
     """
-    assert slot_bytes is not None or batch_bytes is not None
-    size = round_up(slot_bytes, PAGE) if slot_bytes is not None else slot_data_bytes(batch_bytes or 0)
+    size = slot_size(batch_bytes, slot_bytes)
     wanted = num_workers * prefetch_factor + 1
     if memory_budget is None:
         return RingGeometry(num_workers, wanted, size)

@@ -39,6 +39,7 @@ from shmloader._errors import CorruptSlotError, StopCarrier, WorkerReplacedWarni
 from shmloader._stats import Counters, RingOccupancy, occupancy
 from shmloader._torch_private import is_iterable, iterator_parts
 from shmloader.main.delivery import Delivery
+from shmloader.main.depth import Depth, Watch
 from shmloader.main.dispatch import batches_of
 from shmloader.main.lease import leaves_of, read_pickled, slot_of
 from shmloader.main.lifecycle import Lifecycle, RingSettings
@@ -83,8 +84,11 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
         self._goes_on: BaseException | None = None
         self._failed_batches = 0  # batches of this epoch that raised instead (a checkpoint counts them consumed)
         self._fatal: BaseException | None = None  # what stopped the workers before the epoch ended
-        cap = self._num_workers * loader.prefetch_factor  # torch's bound on tasks; memory_budget may give fewer slots
+        depth: Depth = loader._shm_depth
+        depth.begin(loader.prefetch_factor)
+        cap = self._num_workers * depth.prefetch  # tasks at once (torch's bound); memory_budget may give fewer slots
         self._sched = Scheduler(cap, self._num_workers, cap, in_order=loader.in_order)
+        self._watch = Watch(depth, self._counters)
         self._broker = OverflowBroker(loader._shm_memory, loader._shm_memory_budget, loader.in_order)
         plan: _state_layout.Plan | None = loader._shm_resume_plan
         self._delivery = Delivery(self._sched, self._broker, self._counters, self._iterable or has_state(self._dataset),
@@ -93,7 +97,7 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
                                  _checkpoint.snapshots_of(plan))
         settings = RingSettings(
             loader.multiprocessing_context or torch.multiprocessing, configs, loader.slot_bytes,
-            loader.prefetch_factor, loader._shm_memory_budget,
+            depth, loader._shm_memory_budget,
             self._pin_memory_device if self._pin_memory else None,  # (torch's: the accelerator, if any)
             loader._shm_device, loader.device_prefetch, loader.max_worker_restarts)
         self._life = Lifecycle(settings, self._sched, self._delivery, self._broker, self._counters)
@@ -193,6 +197,10 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
             stager = scope.stager
             if stager is not None:
                 scope.reap()
+            if self._counters.batches >= self._watch.at:
+                cap = self._watch.look(scope.ring)
+                if cap is not None:
+                    sched.set_cap(cap)
             while True:
                 # (with the device stager full, only slots back, results in and tasks out)
                 room = stager is None or stager.has_room()

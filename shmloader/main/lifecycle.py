@@ -31,8 +31,9 @@ from shmloader._errors import (
 )
 from shmloader._stats import Counters, worker_busy
 from shmloader.main import device as _device
-from shmloader.main.budget import plan_ring
+from shmloader.main.budget import plan_ring, slot_size
 from shmloader.main.delivery import Delivery
+from shmloader.main.depth import Depth
 from shmloader.main.dispatch import as_list, index_text, post
 from shmloader.main.overflow import OverflowBroker
 from shmloader.main.pool import WorkerPool
@@ -69,7 +70,7 @@ class RingSettings(NamedTuple):
     ctx: Any  # the multiprocessing context workers start in
     configs: list[WorkerConfig]  # one per worker
     slot_bytes: int | None  # DataLoader(slot_bytes=): a hint
-    prefetch_factor: int
+    depth: Depth  # the loader's: prefetch_factor given, or the depth that adapts
     budget: int | None  # memory_budget
     pin: str | None  # pin_memory's device (the ring is page-locked on CUDA), or None
     device: torch.device | None  # DataLoader(device=)
@@ -189,8 +190,8 @@ class Lifecycle:
             slot_bytes = max(slot_bytes, first)
         # Under memory_budget, what the loader's other memory leaves (rings kept by held batches
         # of earlier epochs, other live iterators, overflow memory).
-        geometry = plan_ring(sched.num_workers, settings.prefetch_factor, first, slot_bytes, settings.budget,
-                             self.broker.memory.in_use)
+        prefetch = settings.depth.ring_prefetch(sched.num_workers, slot_size(first, slot_bytes))
+        geometry = plan_ring(sched.num_workers, prefetch, first, slot_bytes, settings.budget, self.broker.memory.in_use)
         ring = Ring(geometry)
         device, pin = settings.device, settings.pin
         try:
@@ -206,6 +207,7 @@ class Lifecycle:
             raise
         self.scope = scope = RingScope(ring, sched, self.pool, self.broker.memory,
                                        RingUse(pinned, stager, not self.delivery.noting))
+        sched.set_cap(settings.depth.planned(sched.num_workers, geometry.num_slots))
         self.attaching = dict(enumerate(self.pool.procs))
         for wid in range(sched.num_workers):
             pending = -1
@@ -285,7 +287,10 @@ class Lifecycle:
         carrying large batches."""
         broker, budget = self.broker, self.settings.budget
         size = broker.take_growth()
-        g = RingGeometry(self.sched.num_workers, self.sched.num_slots, size)
+        # As many slots as now, or fewer where a ring deepened for smaller batches would pass RING_BYTES
+        workers = self.sched.num_workers
+        deepest = workers * self.settings.depth.ring_prefetch(workers, size) + 1
+        g = RingGeometry(workers, min(self.sched.num_slots, deepest), size)
         keep = old.held()  # the old ring's slots the user still views (nothing is copying: it drained)
         og = old.ring.geometry
         held = og.control_bytes + len(keep) * og.slot_stride if keep else 0
@@ -312,6 +317,7 @@ class Lifecycle:
             self.sched.push(wid, RESIZE_TASK)
         try:
             self.scope = scope = RingScope(ring, self.sched, self.pool, self.broker.memory, old.use)
+            self.sched.set_cap(self.settings.depth.planned(workers, g.num_slots))
             self.attaching = dict(enumerate(self.pool.procs))
             for wid in range(self.sched.num_workers):
                 # One that died already (unseen: liveness is checked before sleeping) is replaced

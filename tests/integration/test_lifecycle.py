@@ -253,7 +253,7 @@ def test_a_replay_buffer_of_real_batches_equals_torchs(job: str) -> None:
     want = list(torch.utils.data.DataLoader(dataset, shuffle=True, generator=torch.Generator().manual_seed(7),
                                             **kwargs))
     loader = shmloader.DataLoader(dataset, shuffle=True, generator=torch.Generator().manual_seed(7), num_workers=2,
-                                  **kwargs)
+                                  prefetch_factor=2, **kwargs)  # (a ring of 5, which the loop holds early)
     held = list(loader)
     same(held, want)
     stats = loader.stats()

@@ -199,7 +199,8 @@ def test_held_batches_of_whole_pages_cost_just_their_pages(in_order: bool) -> No
     # comes in memory of its own holding its leaves alone (its skeleton and leaf table travel in
     # its slot), so it costs what torch's shared-memory batch costs; holding never grows the ring.
     page = os.sysconf("SC_PAGE_SIZE")
-    loader = shmloader.DataLoader(Blocks(240, words=page), batch_size=4, num_workers=2, in_order=in_order)
+    loader = shmloader.DataLoader(Blocks(240, words=page), batch_size=4, num_workers=2, prefetch_factor=2,
+                                  in_order=in_order)  # (a ring of 5: the depth never adapts)
     it = iter(loader)
     kept = list(it)
     firsts = [int(b[0, 0]) for b in kept]
@@ -231,7 +232,7 @@ def test_held_batches_with_skeletons_and_dataset_states_equal_torchs() -> None:
     assert loader.stats().overflow_batches >= 1
 
     want_shards = list(tud.DataLoader(StatefulShards(200), batch_size=4, num_workers=2))
-    stateful = shmloader.DataLoader(StatefulShards(200), batch_size=4, num_workers=2)
+    stateful = shmloader.DataLoader(StatefulShards(200), batch_size=4, num_workers=2, prefetch_factor=2)
     it = iter(stateful)
     held = [next(it) for _ in range(30)]
     state = stateful.state_dict()

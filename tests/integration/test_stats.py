@@ -15,7 +15,7 @@ from tests.datasets import Range, Sized
 
 
 def test_stats_count_batches_bytes_and_time() -> None:
-    loader = shmloader.DataLoader(Range(40), batch_size=4, num_workers=2, persistent_workers=True)
+    loader = shmloader.DataLoader(Range(40), batch_size=4, num_workers=2, prefetch_factor=2, persistent_workers=True)
     assert loader.stats().batches == 0 and loader.stats().ring is None
     began = time.perf_counter()
     for _ in range(2):
@@ -33,6 +33,7 @@ def test_stats_count_batches_bytes_and_time() -> None:
     assert sum(s.worker_busy) > 0
     assert s.ring is not None and s.ring.slots == 5  # 2 workers * prefetch 2, and one for the batch in hand
     assert s.ring.free + s.ring.in_flight + s.ring.ready + s.ring.held == 5
+    assert s.depth == 2 and s.depth_why == "prefetch_factor=2 given: torch's meaning"
     del batch
     loader._iterator._shutdown_workers()
 

@@ -1,0 +1,117 @@
+"""How many batches are in flight (main process): torch's ``prefetch_factor``, or a depth that
+adapts when the user gave none.
+
+With ``prefetch_factor`` given, it keeps torch's meaning exactly: that many tasks per worker, a
+ring of ``num_workers * prefetch_factor + 1`` slots. Without it, the depth starts at torch's
+default (2) and, for small batches, grows while the hand-offs between processes set the rate
+rather than the work: over a window of batches the loop was blocked waiting for a batch while
+the workers were mostly idle. That happens beside CPU-bound neighbours, where each wake-up
+waits for a scheduler slice: the rate becomes (batches in flight) / (wake-up latency), and a
+deeper queue lets each wake-up carry more batches. A loop that computes (it never waits) or
+workers that are busy (the data is the limit) never deepen it.
+
+The ring is made for the deepest the depth may grow to (``ring_prefetch``), so growing it is
+one number in the scheduler (``Scheduler.set_cap``): no new ring, no drain. Small batches only:
+that ring holds at most ``RING_BYTES`` of slots, and it stays within ``memory_budget``
+(``budget.plan_ring`` gives fewer slots); batches too large for a deeper ring in that room keep
+torch's default, and so never more memory than torch's loader. Batches, their order and
+checkpoints do not depend on the depth: it only says how far ahead the sampler is drawn.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from shmloader._stats import Counters
+from shmloader.wire.layout import Counter
+
+DEFAULT = 2  # torch's prefetch_factor when num_workers > 0 and none is given
+MOST = 16  # the deepest an adaptive depth grows to (batches in flight per worker)
+RING_BYTES = 4 << 20  # the most slot data a ring made deeper than torch's default may hold
+WINDOW = 256  # batches between two looks
+BLOCKED = 0.25  # the loop was blocked at least this share of the window...
+IDLE = 0.5  # ...while the workers were busy less than this share of it, on average
+
+
+class Depth:
+    """One loader's depth: batches in flight per worker, kept across its epochs (a later epoch's
+    ring starts where the last one ended), and why it is what it is (``stats().depth_why``)."""
+
+    def __init__(self, prefetch_factor: int, given: bool) -> None:
+        self.given = given
+        self.prefetch = prefetch_factor  # tasks per worker now (the scheduler's cap / num_workers)
+        self.most = prefetch_factor  # the deepest the current ring allows
+        self.why = f"{prefetch_factor}, torch's default, until the loop waits on idle workers"
+        self.begin(prefetch_factor)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """A loader pickled or copied starts from torch's default again (the depth measured
+        belongs to this process's conditions)."""
+        return (Depth, (self.prefetch if self.given else DEFAULT, self.given))
+
+    def begin(self, prefetch_factor: int) -> None:
+        """An iterator begins. With ``prefetch_factor`` given, the loader's attribute is the depth
+        (set again since, it counts from the next epoch, as in torch's loader)."""
+        if self.given:
+            self.prefetch = self.most = prefetch_factor
+            self.why = f"prefetch_factor={prefetch_factor} given: torch's meaning"
+
+    def ring_prefetch(self, num_workers: int, slot_bytes: int) -> int:
+        """The prefetch factor a ring of ``slot_bytes`` slots is planned for: the deepest the
+        depth may grow to in it (``RING_BYTES``), never below the depth now."""
+        if self.given:
+            return self.prefetch
+        room = (RING_BYTES // slot_bytes - 1) // num_workers
+        return max(self.prefetch, min(MOST, room))
+
+    def planned(self, num_workers: int, num_slots: int) -> int:
+        """A ring of ``num_slots`` was made (``memory_budget`` may have given fewer than asked):
+        the cap of tasks to start it with."""
+        most = max(1, (num_slots - 1) // num_workers)
+        if not self.given:
+            self.most = most
+            if most <= DEFAULT and self.prefetch <= DEFAULT:
+                self.why = (f"{self.prefetch}, torch's default: batches this large leave no room to deepen "
+                            f"(a deeper ring holds at most {RING_BYTES >> 20} MiB, and memory_budget)")
+            if self.prefetch > most:  # (a ring with larger slots, after batches grew)
+                self.prefetch = most
+                self.why = f"{most}: the deepest a ring of these batches allows"
+        return num_workers * self.prefetch
+
+
+class Watch:
+    """One iterator's look at its depth: every ``WINDOW`` batches, the share of the window the
+    loop spent blocked and the workers' mean busy share (their counters in the ring)."""
+
+    def __init__(self, depth: Depth, counters: Counters) -> None:
+        self.depth = depth
+        self.counters = counters
+        self.at = 1 << 62 if depth.given else counters.batches + WINDOW  # the batch count of the next look
+        self._ring: Any = None
+        self._since = (0.0, 0, 0)  # (blocked_s, the workers' busy ns, monotonic ns) at the window's start
+
+    def look(self, ring: Any) -> int | None:
+        """The window ended (``counters.batches >= at``): the new cap of tasks when the depth
+        grows, else None. A window begun on another ring (grown, or the first) starts over."""
+        depth, counters = self.depth, self.counters
+        now = time.monotonic_ns()
+        busy = sum(int(c[Counter.BUSY_NS]) for c in ring.counters)
+        began, self._since = self._since, (counters.blocked_s, busy, now)
+        same, self._ring = self._ring is ring, ring
+        self.at = counters.batches + WINDOW
+        if depth.given or depth.prefetch >= depth.most:
+            self.at = 1 << 62  # (nothing left to decide)
+            return None
+        if not same or now <= began[2] or busy < began[1]:  # (a replaced worker's counters start anew)
+            return None
+        span = now - began[2]
+        blocked = (counters.blocked_s - began[0]) * 1e9 / span
+        working = (busy - began[1]) / (span * len(ring.counters))
+        if blocked < BLOCKED or working >= IDLE:
+            return None
+        depth.prefetch = min(depth.most, depth.prefetch * 2)
+        depth.why = (f"{depth.prefetch}, grown from torch's default: over {WINDOW} batches the loop waited "
+                     f"{blocked:.0%} of its time while the workers were {working:.0%} busy (the hand-offs, "
+                     f"not the work, set the rate); it grows up to {depth.most}")
+        return len(ring.counters) * depth.prefetch

@@ -1,0 +1,147 @@
+"""The depth that adapts (``main.depth``): without ``prefetch_factor``, the batches in flight grow
+for small batches while the loop waits on idle workers. Whatever the depth does mid-epoch, the
+loader yields torch's batches in torch's order, checkpoints resume exactly, and memory_budget
+holds after every batch; a ``prefetch_factor`` given keeps torch's meaning.
+
+The depth's decision is timing (blocked and busy shares over a window), so these tests make it
+grow at every look: ``grows`` sets the window to 3 batches and the thresholds so that every
+window qualifies. What is tested is everything around the decision; the decision itself is
+tested with a fake clock in ``tests/unit/test_depth.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.data as tud
+
+import shmloader
+from shmloader.main import depth as _depth
+from tests.conftest import same
+from tests.datasets import Range, Shards, StatefulShards
+
+
+@pytest.fixture
+def grows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_depth, "WINDOW", 3)
+    monkeypatch.setattr(_depth, "BLOCKED", 0.0)
+    monkeypatch.setattr(_depth, "IDLE", float("inf"))
+
+
+def dataset(kind: str) -> Any:
+    return {"map": Range(600), "iterable": Shards(600), "iterable-stateful": StatefulShards(600)}[kind]
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+@pytest.mark.parametrize("kind", ["map", "iterable"])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_depth_grown_mid_epoch_yields_torchs_batches(grows: None, in_order: bool, kind: str,
+                                                       persistent: bool) -> None:
+    shuffle = kind == "map"
+    reference = tud.DataLoader(dataset(kind), batch_size=4, shuffle=shuffle, num_workers=2,
+                               generator=torch.Generator().manual_seed(5), persistent_workers=persistent)
+    loader = shmloader.DataLoader(dataset(kind), batch_size=4, num_workers=2, in_order=in_order, shuffle=shuffle,
+                                  generator=torch.Generator().manual_seed(5), persistent_workers=persistent)
+    depths = []
+    for epoch in range(2):
+        want = list(reference)
+        got = []
+        for batch in loader:
+            got.append(batch)
+            depths.append(loader.stats().depth)
+            occupancy = loader.stats().ring
+            assert occupancy is not None and occupancy.in_flight + occupancy.ready <= 2 * depths[-1]
+        if in_order:
+            same(got, want)
+        else:  # each batch exactly once
+            assert sorted(b.tolist() for b in got) == sorted(b.tolist() for b in want)
+    stats = loader.stats()
+    assert depths[0] == 2 and depths[-1] == 16 and depths == sorted(depths), depths  # (from torch's default, up)
+    assert stats.depth_why.startswith("16, grown from torch's default"), stats.depth_why
+    assert stats.ring_growths == 0  # (deeper is more tasks in the same ring)
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+@pytest.mark.parametrize("kind", ["map", "iterable-stateful"])
+@pytest.mark.parametrize("at", [8, 40])
+def test_a_checkpoint_taken_while_the_depth_grows_resumes_exactly(grows: None, in_order: bool, kind: str,
+                                                                  at: int) -> None:
+    shuffle = kind == "map"
+
+    def make() -> shmloader.DataLoader[Any]:
+        return shmloader.DataLoader(dataset(kind), batch_size=4, num_workers=2, in_order=in_order, shuffle=shuffle,
+                                    generator=torch.Generator().manual_seed(9))
+
+    whole = [b.tolist() for b in make()]
+    loader = make()
+    it = iter(loader)
+    before = [next(it).tolist() for _ in range(at)]
+    state = loader.state_dict()
+    grown = loader.stats().depth
+    del it
+    resumed = make()
+    resumed.load_state_dict(state)
+    after = [b.tolist() for b in resumed]
+    if in_order:
+        assert before + after == whole
+    else:
+        assert sorted(before + after) == sorted(whole) and len(before + after) == len(whole)
+    assert grown > 2  # (the state was taken with more batches in flight than torch's default)
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_memory_budget_holds_after_every_batch_while_the_depth_grows(grows: None, in_order: bool) -> None:
+    # Batches of 16 KiB: the deepest ring (33 slots, about 540 KB) does not fit 300 KB, so the ring
+    # gets fewer slots and the depth stops where they end.
+    budget = 300_000
+    loader = shmloader.DataLoader(_Wide(400), batch_size=4, num_workers=2, in_order=in_order, memory_budget=budget)
+    got = []
+    for batch in loader:
+        got.append(batch[:, 0].clone())  # (the loop keeps a value, not the slot)
+        assert loader._shm_memory.in_use <= budget
+        stats = loader.stats()
+        assert stats.ring is not None and stats.depth <= (stats.ring.slots - 1) // 2
+        assert stats.ring.slots < 33
+    del batch
+    want = [b[:, 0] for b in tud.DataLoader(_Wide(400), batch_size=4)]
+    if in_order:
+        same(got, want)
+    else:
+        assert sorted(b.tolist() for b in got) == sorted(b.tolist() for b in want)
+    assert loader.stats().depth > 2
+
+
+class _Wide(tud.Dataset):  # type: ignore[type-arg]
+    """Sample i: 1,024 int32 equal to i (4 KiB; a batch of 4 fills a 16 KiB slot)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((1024,), i, dtype=torch.int32)
+
+
+def test_a_prefetch_factor_given_keeps_torchs_meaning(grows: None) -> None:
+    loader = shmloader.DataLoader(Range(600), batch_size=4, num_workers=2, prefetch_factor=2)
+    for batch in loader:
+        occupancy = loader.stats().ring
+        assert occupancy is not None and occupancy.slots == 5 and occupancy.in_flight + occupancy.ready <= 4
+    assert loader.stats().depth == 2 and loader.stats().depth_why == "prefetch_factor=2 given: torch's meaning"
+    del batch
+
+
+def test_large_batches_never_deepen_past_torchs_memory(grows: None) -> None:
+    # 1 MiB batches: a ring deeper than torch's default would pass the 4 MiB a deeper ring may hold.
+    loader = shmloader.DataLoader(_Wide(4000), batch_size=256, num_workers=2, persistent_workers=True)
+    it = iter(loader)
+    for _ in range(6):
+        next(it)
+    stats = loader.stats()
+    assert stats.depth == 2 and stats.ring is not None and stats.ring.slots == 5, stats
+    assert "leave no room to deepen" in stats.depth_why
+    del it

@@ -1,0 +1,112 @@
+"""The depth's decision (``main.depth``), with a fake clock and fake worker counters: it grows
+only while the loop waits and the workers idle, doubles up to what the ring allows, never moves
+when ``prefetch_factor`` was given, and plans rings deeper than torch's for small batches only."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from shmloader._stats import Counters
+from shmloader.main import depth as _depth
+from shmloader.main.depth import DEFAULT, MOST, RING_BYTES, WINDOW, Depth, Watch
+from shmloader.wire.layout import N_COUNTERS, Counter
+
+MS = 1_000_000
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.ns = 10**12
+
+    def monotonic_ns(self) -> int:
+        return self.ns
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    fake = Clock()
+    monkeypatch.setattr(_depth, "time", fake)
+    return fake
+
+
+def ring(workers: int = 2) -> Any:
+    return SimpleNamespace(counters=[[0] * N_COUNTERS for _ in range(workers)])
+
+
+def window(watch: Watch, r: Any, clock: Clock, blocked: float, busy: float) -> int | None:
+    """One window of 100 ms: the loop blocked ``blocked`` of it, each worker busy ``busy`` of it."""
+    clock.ns += 100 * MS
+    watch.counters.blocked_s += 0.1 * blocked
+    watch.counters.batches += WINDOW
+    for c in r.counters:
+        c[Counter.BUSY_NS] += int(100 * MS * busy)
+    return watch.look(r)
+
+
+def started(depth: Depth, clock: Clock, r: Any) -> Watch:
+    """A watch on ``r`` whose first window has begun (the first look only starts it)."""
+    depth.planned(len(r.counters), 2 * MOST + 1)
+    watch = Watch(depth, Counters())
+    assert window(watch, r, clock, blocked=1.0, busy=0.0) is None
+    return watch
+
+
+def test_it_grows_while_the_loop_waits_on_idle_workers_and_doubles_up_to_the_ring(clock: Clock) -> None:
+    depth, r = Depth(DEFAULT, given=False), ring()
+    watch = started(depth, clock, r)
+    caps = [window(watch, r, clock, blocked=0.8, busy=0.1) for _ in range(5)]
+    assert caps == [2 * 4, 2 * 8, 2 * 16, None, None]
+    assert depth.prefetch == MOST
+    assert depth.why.startswith("16, grown from torch's default: over 256 batches the loop waited 80% of its time "
+                                "while the workers were 10% busy"), depth.why
+
+
+@pytest.mark.parametrize(("blocked", "busy"), [(0.1, 0.1), (0.8, 0.9), (0.3, 0.5)])
+def test_a_computing_loop_or_busy_workers_keep_the_depth(clock: Clock, blocked: float, busy: float) -> None:
+    depth, r = Depth(DEFAULT, given=False), ring()
+    watch = started(depth, clock, r)
+    for _ in range(4):
+        assert window(watch, r, clock, blocked=blocked, busy=busy) is None
+    assert depth.prefetch == DEFAULT and "torch's default" in depth.why
+
+
+def test_a_prefetch_factor_given_never_moves(clock: Clock) -> None:
+    depth, r = Depth(3, given=True), ring()
+    watch = started(depth, clock, r)
+    assert window(watch, r, clock, blocked=1.0, busy=0.0) is None
+    assert watch.at > 10**15  # (never looks again)
+    assert depth.prefetch == 3 and depth.ring_prefetch(2, 4096) == 3
+    assert depth.why == "prefetch_factor=3 given: torch's meaning"
+
+
+def test_a_window_across_another_ring_or_a_replaced_worker_starts_over(clock: Clock) -> None:
+    depth, r = Depth(DEFAULT, given=False), ring()
+    watch = started(depth, clock, r)
+    grown = ring()
+    assert window(watch, grown, clock, blocked=1.0, busy=0.0) is None  # a grown ring: its counters start at 0
+    assert window(watch, grown, clock, blocked=1.0, busy=0.0) == 2 * 4
+    grown.counters[0][Counter.BUSY_NS] = 0  # a replaced worker's counters start anew
+    assert window(watch, grown, clock, blocked=1.0, busy=0.0) is None
+    assert window(watch, grown, clock, blocked=1.0, busy=0.0) == 2 * 8
+
+
+def test_rings_deeper_than_torchs_are_for_small_batches_only() -> None:
+    depth = Depth(DEFAULT, given=False)
+    assert depth.ring_prefetch(2, 4096) == MOST  # 33 slots of 4 KiB
+    assert depth.ring_prefetch(2, 256 * 1024) == 7  # 15 slots of 256 KiB: within RING_BYTES
+    assert (2 * 7 + 1) * 256 * 1024 <= RING_BYTES < (2 * 8 + 1) * 256 * 1024
+    assert depth.ring_prefetch(2, 1 << 20) == DEFAULT  # torch's ring, never more
+    assert depth.ring_prefetch(8, 1 << 20) == DEFAULT
+
+
+def test_a_ring_with_fewer_slots_lowers_the_depth_and_says_why() -> None:
+    depth = Depth(DEFAULT, given=False)
+    depth.prefetch = 8
+    assert depth.planned(2, 9) == 2 * 4  # (memory_budget, or a ring grown for larger batches)
+    assert depth.prefetch == depth.most == 4 and depth.why == "4: the deepest a ring of these batches allows"
+    fresh = Depth(DEFAULT, given=False)
+    assert fresh.planned(2, 5) == 4
+    assert "leave no room to deepen" in fresh.why
