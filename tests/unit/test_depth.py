@@ -86,11 +86,11 @@ def test_a_window_across_another_ring_or_a_replaced_worker_starts_over(clock: Cl
     depth, r = Depth(DEFAULT, given=False), ring()
     watch = started(depth, clock, r)
     grown = ring()
-    assert window(watch, grown, clock, blocked=1.0, busy=0.0) is None  # a grown ring: its counters start at 0
-    assert window(watch, grown, clock, blocked=1.0, busy=0.0) == 2 * 4
+    assert window(watch, grown, clock, blocked=1.0, busy=0.1) is None  # a grown ring: its counters start at 0
+    assert window(watch, grown, clock, blocked=1.0, busy=0.1) == 2 * 4
     grown.counters[0][Counter.BUSY_NS] = 0  # a replaced worker's counters start anew
-    assert window(watch, grown, clock, blocked=1.0, busy=0.0) is None
-    assert window(watch, grown, clock, blocked=1.0, busy=0.0) == 2 * 8
+    assert window(watch, grown, clock, blocked=1.0, busy=0.1) is None
+    assert window(watch, grown, clock, blocked=1.0, busy=0.1) == 2 * 8
 
 
 def test_rings_deeper_than_torchs_are_for_small_batches_only() -> None:
