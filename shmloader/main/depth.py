@@ -89,25 +89,26 @@ class Watch:
         self.counters = counters
         self.at = 1 << 62 if depth.given else counters.batches + WINDOW  # the batch count of the next look
         self._ring: Any = None
-        self._since = (0.0, 0, 0)  # (blocked_s, the workers' busy ns, monotonic ns) at the window's start
+        self._since: tuple[float, tuple[int, ...], int] = (0.0, (), 0)  # (blocked_s, each worker's busy ns,
+        # monotonic ns) at the window's start
 
     def look(self, ring: Any) -> int | None:
         """The window ended (``counters.batches >= at``): the new cap of tasks when the depth
         grows, else None. A window begun on another ring (grown, or the first) starts over."""
         depth, counters = self.depth, self.counters
         now = time.monotonic_ns()
-        busy = sum(int(c[Counter.BUSY_NS]) for c in ring.counters)
+        busy = tuple(int(c[Counter.BUSY_NS]) for c in ring.counters)
         began, self._since = self._since, (counters.blocked_s, busy, now)
         same, self._ring = self._ring is ring, ring
         self.at = counters.batches + WINDOW
         if depth.given or depth.prefetch >= depth.most:
             self.at = 1 << 62  # (nothing left to decide)
             return None
-        if not same or now <= began[2] or busy < began[1]:  # (a replaced worker's counters start anew)
-            return None
+        if not same or now <= began[2] or any(b < a for a, b in zip(began[1], busy)):  # (a replaced
+            return None                                                                   # worker's start anew)
         span = now - began[2]
         blocked = (counters.blocked_s - began[0]) * 1e9 / span
-        working = (busy - began[1]) / (span * len(ring.counters))
+        working = (sum(busy) - sum(began[1])) / (span * len(busy))
         if blocked < BLOCKED or working >= IDLE:
             return None
         depth.prefetch = min(depth.most, depth.prefetch * 2)
