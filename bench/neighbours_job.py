@@ -1,7 +1,9 @@
 """A user's job beside CPU-bound neighbours: a fresh DataLoader (torch's defaults, 2 workers)
 per run, started after the neighbours, every batch's contents checked, as a training process
-on a shared node meets it. Alternated per round: torch, shmloader, and shmloader with its
-yields untimed (``YieldWait.CONTENDED_NS`` out of reach: the code before issue 52's fix).
+on a shared node meets it. Alternated per round: torch, shmloader (no prefetch_factor given: its
+depth adapts), shmloader with ``prefetch_factor=2`` given (torch's depth: the code before the
+adaptive depth), and shmloader with its yields untimed as well (``YieldWait.CONTENDED_NS`` out of
+reach: the code before issue 52's first fix).
 
     python bench/neighbours_job.py --neighbours 0,1,2 --rounds 3 --batches 1500
 
@@ -44,12 +46,13 @@ def rate(variant: str, workload: str, batches: int) -> float:
     shape, dtype, batch_size = WORKLOADS[workload]
     dataset = Numbered(shape, dtype)
     make: Any = tud.DataLoader if variant == "torch" else shmloader.DataLoader
-    untimed = variant == "shmloader, yields untimed"
+    untimed = variant == "shmloader, depth 2, yields untimed"
+    depth = {"prefetch_factor": 2} if "depth 2" in variant else {}
     saved = YieldWait.CONTENDED_NS
     if untimed:
         YieldWait.CONTENDED_NS = 10**18  # (workers fork after this: they inherit it)
     try:
-        it = iter(make(dataset, batch_size=batch_size, num_workers=2))
+        it = iter(make(dataset, batch_size=batch_size, num_workers=2, **depth))
         began = time.perf_counter()
         for k in range(batches):
             batch = next(it)
@@ -73,12 +76,12 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=1500)
     p.add_argument("--workloads", default="tiny,tokens")
     args = p.parse_args()
-    variants = ["torch", "shmloader", "shmloader, yields untimed"]
+    variants = ["torch", "shmloader", "shmloader, depth 2", "shmloader, depth 2, yields untimed"]
     got: dict[tuple[str, int, str], list[float]] = {}
     for r in range(args.rounds):
         for workload in args.workloads.split(","):
             for n in counts(args.neighbours):
-                for variant in variants[r % 3:] + variants[: r % 3]:
+                for variant in variants[r % 4:] + variants[: r % 4]:
                     with neighbours(n):
                         got.setdefault((workload, n, variant), []).append(rate(variant, workload, args.batches))
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} | bench/neighbours_job.py --neighbours {args.neighbours} "

@@ -50,7 +50,12 @@ class YieldWait:
     beside neighbours, but an idle machine's peers pause often enough that it cost tiny batches
     20% of their rate there. Quiet spells that doubled while the neighbour stayed kept a loader
     sleeping after the scheduler had moved its processes away from the neighbours: a third of
-    the rate that yielding has there.)"""
+    the rate that yielding has there.)
+
+    A fresh waiter knows nothing yet, and beside neighbours each of its first STRIKES waits would
+    hand one a slice: a loader's first couple of hundred batches took 4-16 ms per 25 there. So its
+    first wait, if slow, is enough; that spell is short (``FIRST_QUIET``), since starting up is
+    slow beside its peers on any machine, and a wait that is fast ends the start."""
 
     MOST, LEAST = 64, 4
     # A yield this long ran another process's time slice (ms), or a peer's batch over 200 µs: a
@@ -58,14 +63,16 @@ class YieldWait:
     CONTENDED_NS = 200_000
     STRIKES = 4  # slow waits in a row that make the yields contended
     QUIET = 1024  # waits that sleep at once after contended yields
-    __slots__ = ("most", "least", "bound", "quiet", "strikes", "probing")
+    FIRST_QUIET = 16  # the spell after a first wait that was slow: starting up is slow on any machine
+    __slots__ = ("most", "least", "bound", "quiet", "strikes", "probing", "spell")
 
     def __init__(self) -> None:
         self.most, self.least = self.MOST, self.LEAST
         self.bound = self.most
         self.quiet = 0  # waits left that sleep without yielding (the yields were contended)
         self.strikes = 0  # slow waits in a row
-        self.probing = False  # this wait is the first after a quiet: one slow one is enough
+        self.probing = True  # the first wait, or the first after a quiet: one slow one is enough
+        self.spell = self.FIRST_QUIET  # the next quiet spell's length (short until a wait was fast)
 
     def __call__(self, mm: mmap.mmap, sem: int) -> bool:
         if self.quiet > 0:
@@ -78,12 +85,13 @@ class YieldWait:
             self.strikes += 1
             self.bound = self.least
             if self.probing or self.strikes >= self.STRIKES:
-                self.quiet = self.QUIET
+                self.quiet, self.spell = self.spell, self.QUIET
                 self.strikes = 0
                 self.probing = False
             return bool(took)
         self.strikes = 0
         self.probing = False
+        self.spell = self.QUIET  # (past the start: spells are the usual length)
         if took:
             self.bound = self.most
             return True

@@ -88,6 +88,30 @@ def test_yield_wait_says_how_many_yields_it_took_and_takes_one_token() -> None:
     assert _native.yield_wait(ring.mm, SEM, 5) == 0
 
 
+def started() -> YieldWait:
+    """A waiter past its first wait, which was fast (yields were not contended then)."""
+    yields = YieldWait()
+    assert not yields(Ring().mm, SEM) and not yields.probing
+    return yields
+
+
+def test_a_first_wait_that_is_slow_makes_a_short_quiet_spell_then_the_usual_ones(
+        yields_slow: list[Any]) -> None:
+    # A fresh waiter knows nothing: beside a neighbour every wait until STRIKES would hand it a
+    # slice (a loader's first hundred batches took 4-16 ms per 25), so one slow first wait is
+    # enough. A process starting up is slow beside its peers on any machine, though: that first
+    # spell is short (FIRST_QUIET), and only a slow wait after it makes the usual QUIET spell.
+    ring = Ring()
+    yields = YieldWait()
+    yields_slow[0] = True
+    assert not yields(ring.mm, SEM)
+    assert yields.quiet == YieldWait.FIRST_QUIET < YieldWait.QUIET
+    for _ in range(YieldWait.FIRST_QUIET):
+        assert not yields(ring.mm, SEM)
+    assert not yields(ring.mm, SEM)  # tried again, slow: the usual spell
+    assert yields.quiet == YieldWait.QUIET
+
+
 def test_slow_yields_in_a_row_make_a_quiet_spell_then_yields_are_tried_again(
         yields_slow: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
     # Yields that take a neighbour's slice: each slow wait stops at its slow yield and the next
@@ -96,11 +120,12 @@ def test_slow_yields_in_a_row_make_a_quiet_spell_then_yields_are_tried_again(
     ring = Ring()
     bounds = yields_slow[1]
     monkeypatch.setattr(YieldWait, "QUIET", 3)
-    yields = YieldWait()
+    yields = started()
+    bounds.clear()
     yields_slow[0] = True
     for _ in range(YieldWait.STRIKES):
         assert not yields(ring.mm, SEM)
-    assert bounds == [64, 4, 4, 4] and yields.quiet == 3
+    assert bounds == [32, 4, 4, 4] and yields.quiet == 3
     for _ in range(3):
         assert not yields(ring.mm, SEM)  # quiet: the caller sleeps on the semaphore at once
     assert len(bounds) == 4
@@ -116,7 +141,7 @@ def test_slow_yields_in_a_row_make_a_quiet_spell_then_yields_are_tried_again(
 
 def test_one_slow_wait_is_a_peers_pause_not_a_neighbour(yields_slow: list[Any]) -> None:
     ring = Ring()
-    yields = YieldWait()
+    yields = started()
     yields_slow[0] = True
     assert not yields(ring.mm, SEM)
     yields_slow[0] = False
