@@ -29,7 +29,8 @@ from shmloader.wire.layout import Counter
 DEFAULT = 2  # torch's prefetch_factor when num_workers > 0 and none is given
 MOST = 16  # the deepest an adaptive depth grows to (batches in flight per worker)
 RING_BYTES = 4 << 20  # the most slot data a ring made deeper than torch's default may hold
-WINDOW = 256  # batches between two looks
+START = 32  # batches before the first window begins (a start-up's are not the steady state)
+WINDOW = 128  # batches a window lasts
 BLOCKED = 0.25  # the loop was blocked at least this share of the window...
 IDLE = 0.5  # ...while the workers were busy less than this share of it, on average
 
@@ -87,7 +88,7 @@ class Watch:
     def __init__(self, depth: Depth, counters: Counters) -> None:
         self.depth = depth
         self.counters = counters
-        self.at = 1 << 62 if depth.given else counters.batches + WINDOW  # the batch count of the next look
+        self.at = 1 << 62 if depth.given else counters.batches + START  # the batch count of the next look
         self._ring: Any = None
         self._since: tuple[float, tuple[int, ...], int] = (0.0, (), 0)  # (blocked_s, each worker's busy ns,
         # monotonic ns) at the window's start

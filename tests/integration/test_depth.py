@@ -4,7 +4,7 @@ loader yields torch's batches in torch's order, checkpoints resume exactly, and 
 holds after every batch; a ``prefetch_factor`` given keeps torch's meaning.
 
 The depth's decision is timing (blocked and busy shares over a window), so these tests make it
-grow at every look: ``grows`` sets the window to 3 batches and the thresholds so that every
+grow at every look: ``grows`` sets the windows to 3 batches and the thresholds so that every
 window qualifies. What is tested is everything around the decision; the decision itself is
 tested with a fake clock in ``tests/unit/test_depth.py``.
 """
@@ -25,6 +25,7 @@ from tests.datasets import Range, Shards, StatefulShards
 
 @pytest.fixture
 def grows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_depth, "START", 3)
     monkeypatch.setattr(_depth, "WINDOW", 3)
     monkeypatch.setattr(_depth, "BLOCKED", 0.0)
     monkeypatch.setattr(_depth, "IDLE", float("inf"))

@@ -60,7 +60,7 @@ def test_it_grows_while_the_loop_waits_on_idle_workers_and_doubles_up_to_the_rin
     caps = [window(watch, r, clock, blocked=0.8, busy=0.1) for _ in range(5)]
     assert caps == [2 * 4, 2 * 8, 2 * 16, None, None]
     assert depth.prefetch == MOST
-    assert depth.why.startswith("16, grown from torch's default: over 256 batches the loop waited 80% of its time "
+    assert depth.why.startswith("16, grown from torch's default: over 128 batches the loop waited 80% of its time "
                                 "while the workers were 10% busy"), depth.why
 
 
