@@ -43,7 +43,9 @@ def parser() -> argparse.ArgumentParser:
                    help=f"comma-separated, of {', '.join(WORKLOADS)} (big: only when named)")
     p.add_argument("--loaders", default=",".join(LOADERS), help=f"comma-separated, of {', '.join(LOADERS)}")
     p.add_argument("--num-workers", type=int, default=2)
-    p.add_argument("--prefetch-factor", type=int, default=2)
+    p.add_argument("--prefetch-factor", type=int, default=None,
+                   help="given to every loader (default: none, as a user who leaves it out: torch's 2, "
+                        "shmloader's depth that adapts)")
     p.add_argument("--batches", type=int, default=None, help="measured batches per repeat (default: per workload)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rounds", type=_at_least_one, default=1,
@@ -408,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
             results, notes = run(args)
     print(f"# {meta['date']} | {meta['machine']} | Python {meta['python']} | "
           + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()))
-    print(f"# num_workers={args.num_workers} prefetch_factor={args.prefetch_factor}"
+    print(f"# num_workers={args.num_workers} prefetch_factor="
+          + (str(args.prefetch_factor) if args.prefetch_factor is not None else "not given (each loader's default)")
           + (f" memory_budget={args.memory_budget}" if args.memory_budget else "")
           + (f" step={args.step_ms} ms" if args.step_ms else "")
           + (f" rounds={args.rounds} (alternated; vs torch: the median of each round's ratio)"

@@ -43,26 +43,35 @@ class Loader:
             return "?"
 
 
-def _shmloader(ds: Dataset, bs: int, nw: int, pf: int, budget: str | None, **kw: Any) -> Any:  # type: ignore[type-arg]
-    return shmloader.DataLoader(ds, batch_size=bs, num_workers=nw, prefetch_factor=pf, memory_budget=budget, **kw)
+TORCHS = 2  # torch's prefetch_factor, for the loaders that need one said when --prefetch-factor is not
 
 
-def _torch(ds: Dataset, bs: int, nw: int, pf: int, budget: str | None, **kw: Any) -> Any:  # type: ignore[type-arg]
-    return torch.utils.data.DataLoader(ds, batch_size=bs, num_workers=nw, prefetch_factor=pf, **kw)
+def given(pf: int | None) -> dict[str, Any]:
+    """``prefetch_factor=pf`` for a loader, or nothing (its own default: torch's 2, shmloader's
+    depth that adapts) when ``--prefetch-factor`` was not given."""
+    return {} if pf is None else {"prefetch_factor": pf}
 
 
-def _spdl(ds: Dataset, bs: int, nw: int, pf: int, budget: str | None, **kw: Any) -> Any:  # type: ignore[type-arg]
+def _shmloader(ds: Dataset, bs: int, nw: int, pf: int | None, budget: str | None, **kw: Any) -> Any:  # type: ignore[type-arg]
+    return shmloader.DataLoader(ds, batch_size=bs, num_workers=nw, memory_budget=budget, **given(pf), **kw)
+
+
+def _torch(ds: Dataset, bs: int, nw: int, pf: int | None, budget: str | None, **kw: Any) -> Any:  # type: ignore[type-arg]
+    return torch.utils.data.DataLoader(ds, batch_size=bs, num_workers=nw, **given(pf), **kw)
+
+
+def _spdl(ds: Dataset, bs: int, nw: int, pf: int | None, budget: str | None, **kw: Any) -> Any:  # type: ignore[type-arg]
     from spdl.dataloader import get_pytorch_dataloader
 
     kw.pop("persistent_workers", None)  # SPDL keeps its own pipeline alive; it refuses the flag
 
-    return get_pytorch_dataloader(ds, batch_size=bs, num_workers=nw, prefetch_factor=pf, in_order=True, **kw)
+    return get_pytorch_dataloader(ds, batch_size=bs, num_workers=nw, prefetch_factor=pf or TORCHS, in_order=True, **kw)
 
 
-def _torchdata(ds: Dataset, bs: int, nw: int, pf: int, budget: str | None, **kw: Any) -> Any:  # type: ignore[type-arg]
+def _torchdata(ds: Dataset, bs: int, nw: int, pf: int | None, budget: str | None, **kw: Any) -> Any:  # type: ignore[type-arg]
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    return StatefulDataLoader(ds, batch_size=bs, num_workers=nw, prefetch_factor=pf, **kw)
+    return StatefulDataLoader(ds, batch_size=bs, num_workers=nw, **given(pf), **kw)
 
 
 class _FetchAndCollate:
@@ -81,7 +90,7 @@ class _Nodes:
     """torchdata.nodes' recommended pipeline past the DataLoader: SamplerWrapper → Batcher →
     ParallelMapper (threads or processes) → Prefetcher → Loader, one epoch per ``iter()``."""
 
-    def __init__(self, ds: Any, bs: int, nw: int, pf: int, method: str, collate_fn: Callable[[Any], Any] | None,
+    def __init__(self, ds: Any, bs: int, nw: int, pf: int | None, method: str, collate_fn: Callable[[Any], Any] | None,
                  shuffle: bool, generator: torch.Generator | None) -> None:
         from torchdata import nodes
 
@@ -90,7 +99,7 @@ class _Nodes:
         node: Any = nodes.Batcher(nodes.SamplerWrapper(sampler), batch_size=bs, drop_last=False)
         node = nodes.ParallelMapper(node, _FetchAndCollate(ds, collate_fn), num_workers=nw, in_order=True,
                                     method=method)  # type: ignore[arg-type]
-        self.root = nodes.Prefetcher(node, prefetch_factor=pf)
+        self.root = nodes.Prefetcher(node, prefetch_factor=pf or TORCHS)
         self.loader = nodes.Loader(self.root)
 
     def __iter__(self) -> Any:
@@ -109,23 +118,23 @@ class _Nodes:
 
 
 def _nodes(method: str) -> Callable[..., Any]:
-    def make(ds: Dataset, bs: int, nw: int, pf: int, budget: str | None, **kw: Any) -> Any:  # type: ignore[type-arg]
+    def make(ds: Dataset, bs: int, nw: int, pf: int | None, budget: str | None, **kw: Any) -> Any:  # type: ignore[type-arg]
         return _Nodes(ds, bs, nw, pf, method, kw.get("collate_fn"), kw.get("shuffle", False), kw.get("generator"))
 
     return make
 
 
-def _dataset(ds: Dataset, bs: int, nw: int, pf: int, budget: str | None, **kw: Any) -> Any:  # type: ignore[type-arg]
+def _dataset(ds: Dataset, bs: int, nw: int, pf: int | None, budget: str | None, **kw: Any) -> Any:  # type: ignore[type-arg]
     kw.pop("persistent_workers", None)
     return torch.utils.data.DataLoader(ds, batch_size=bs, num_workers=0, **kw)
 
 
-def _ceiling(ds: Dataset, bs: int, nw: int, pf: int, budget: str | None, **kw: Any) -> Any:  # type: ignore[type-arg]
+def _ceiling(ds: Dataset, bs: int, nw: int, pf: int | None, budget: str | None, **kw: Any) -> Any:  # type: ignore[type-arg]
     from .ceiling import BareRing
 
     if kw.get("collate_fn") is not None or kw.get("shuffle"):
         raise TypeError("the bare ring stacks fixed-size tensors in order; it has no collate_fn or shuffle")
-    return BareRing(ds, bs, nw, pf)
+    return BareRing(ds, bs, nw, pf or TORCHS)
 
 
 LOADERS: dict[str, Loader] = {
