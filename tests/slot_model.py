@@ -1,7 +1,8 @@
 """A Python model of ``_native.Scheduler``: the slot table's transitions and the per-batch step,
 written plainly, for the tests to hold the native one to (tests/unit/test_slots.py,
-tests/unit/test_step.py). It is the specification, not a second implementation: nothing in
-shmloader uses it."""
+tests/unit/test_step.py); and ``Handoff``, the hand-off protocol between the consumer and the
+workers around it (tests/unit/test_handoff.py). It is the specification, not a second
+implementation: nothing in shmloader uses it."""
 
 from __future__ import annotations
 
@@ -240,3 +241,122 @@ def same(native: Scheduler, model: ModelTable) -> None:
     assert (list(native.active), native.rr, native.send_seq, native.rcvd_seq, native.banked,
             native.exhausted, native.epoch) == (model.active, model.rr, model.send_seq, model.rcvd_seq,
                                                    model.banked, model.exhausted, model.epoch)
+
+
+# ------------------------------------------------------------------ the hand-offs
+RUN, LOOK, ASLEEP, DONE_ = "run", "look", "asleep", "done"  # the consumer's states (and ASLEEP a worker's)
+TAKE, WRITE = "take", "write"  # a worker's other states
+
+
+def tokens(ring: Ring, sem: int) -> int:
+    """The tokens on the semaphore at ``sem``, counted and put back."""
+    n = 0
+    while _native.sem_wait(ring.mm, sem, 0):
+        n += 1
+    for _ in range(n):
+        _native.sem_post(ring.mm, sem)
+    return n
+
+
+class Handoff:
+    """The hand-off protocol (shmloader/README.md, "Hand-offs") as processes that move one at a
+    time around a scheduler's table on its ring: ``table`` is the native ``Scheduler`` (attached
+    to ``ring``) or a ``ModelTable``. The semaphores are the ring's own; nobody blocks on one: a
+    sleeper is a state, woken once its semaphore has a token (as a futex waiter is by a post).
+
+    The consumer RUNs the step (collect, dispatch, take); the user drops each batch before the
+    next step. After a step that found nothing, a move of its own (others may move between the
+    two: the window a lost wake-up would hide in), it LOOKs: a token of the ready semaphore, if
+    there is one (a yield's hit), is banked and it runs again; without one it goes ASLEEP (that
+    look and the sleep are one: a semaphore's wait), and when woken takes and banks the token.
+    The epoch's end (exhausted, nothing outstanding or ready) is DONE. A worker TAKEs a token of its task semaphore and its queue's next entry (or goes
+    ASLEEP), then WRITEs its task's result: the result fields, STATE = DONE with a release
+    store, a token on the ready semaphore (``worker.loop``'s order), and takes again.
+
+    A lost wake-up is a state where no process can move while the consumer is not DONE."""
+
+    def __init__(self, table: Scheduler | ModelTable, ring: Ring, tasks: int) -> None:
+        self.table, self.ring = table, ring
+        self.sampler = iter([[i] for i in range(tasks)])
+        self.bases: dict[int, Any] = {}  # the lease table: each batch dropped by the user at once
+        self.consumer = RUN
+        self.workers: list[Any] = [TAKE] * ring.geometry.num_workers  # TAKE, ASLEEP or (WRITE, slot)
+        self.heads = [0] * ring.geometry.num_workers  # entries each worker took from its queue
+        self.delivered: list[int] = []  # the seqs of the batches taken, in order
+
+    def movers(self) -> list[str | int]:
+        """Who can move now: "consumer" and worker ids."""
+        ring = self.ring
+        who: list[str | int] = []
+        if self.consumer in (RUN, LOOK) or (self.consumer == ASLEEP and tokens(ring, ring.ready_sem)):
+            who.append("consumer")
+        for w, state in enumerate(self.workers):
+            if state != ASLEEP or tokens(ring, ring.task_sems[w]):
+                who.append(w)
+        return who
+
+    def move(self, who: str | int) -> None:
+        if who == "consumer":
+            self._consumer()
+        else:
+            assert isinstance(who, int)
+            self._worker(who)
+
+    def _step(self) -> int:
+        if isinstance(self.table, ModelTable):
+            got, _ = self.table.step(self.ring, self.bases, dict.fromkeys(self.bases, False), self.sampler, True, True)
+            return int(got)
+        return int(self.table.step(self.bases, self.sampler, True, True))
+
+    def _consumer(self) -> None:
+        ring, table = self.ring, self.table
+        if self.consumer == ASLEEP:  # woken: the token is its own
+            assert _native.sem_wait(ring.mm, ring.ready_sem, 0)
+            table.bank_token()
+            self.consumer = RUN
+            return
+        if self.consumer == LOOK:
+            if _native.sem_wait(ring.mm, ring.ready_sem, 0):  # a token came while it yielded
+                table.bank_token()
+                self.consumer = RUN
+            else:
+                self.consumer = ASLEEP
+            return
+        got = self._step()
+        if got >= 0:
+            self.delivered.append(int(ring.headers[got][Field.R_SEQ]))
+            self.bases[got] = object()  # (the user's batch, dropped at once: the next step gives it back)
+        elif got != Step.NOT_READY:
+            raise AssertionError(f"step answered {Step(got)!r} for plain batches")
+        elif table.exhausted and not table.outstanding and not (table.n_ready if isinstance(table, Scheduler)
+                                                                  else len(table.ready())):
+            self.consumer = DONE_
+        else:
+            self.consumer = LOOK
+
+    def _worker(self, w: int) -> None:
+        ring, state = self.ring, self.workers[w]
+        if state == ASLEEP:
+            self.workers[w] = TAKE  # woken: it takes again
+        elif state == TAKE:
+            if not _native.sem_wait(ring.mm, ring.task_sems[w], 0):
+                self.workers[w] = ASLEEP
+                return
+            slot = int(ring.queues[w][self.heads[w] % ring.queue_len])
+            self.heads[w] += 1
+            self.workers[w] = (WRITE, slot)
+        else:
+            slot = state[1]
+            hdr = ring.headers[slot]
+            hdr[Field.R_SEQ], hdr[Field.R_EPOCH] = hdr[Field.SEQ], hdr[Field.EPOCH]
+            hdr[Field.STATUS], hdr[Field.REGION] = int(Status.OK), int(Region.SLOT)
+            _native.store_release(ring.mm, ring.state_offsets[slot], DONE)
+            _native.sem_post(ring.mm, ring.ready_sem)
+            self.workers[w] = TAKE
+
+    def key(self) -> tuple[Any, ...]:
+        """The whole state (for a ModelTable's run): the ring's bytes, semaphores included, the
+        table, every process and what was delivered."""
+        assert isinstance(self.table, ModelTable)
+        return (bytes(self.ring.mm), repr(sorted(vars(self.table).items())), self.consumer, tuple(self.workers),
+                tuple(self.heads), tuple(self.delivered), tuple(sorted(self.bases)))

@@ -1,0 +1,103 @@
+"""The hand-off protocol, model-checked: no lost wake-up (shmloader/README.md, "Hand-offs").
+
+Every interleaving of the consumer's steps, yields and sleeps and the workers' takes, writes and
+sleeps that the protocol allows (``tests/slot_model.Handoff``) is explored, state by distinct
+state, on small rings: in each reachable state some process can move until the consumer has
+taken the whole epoch; and the epoch it takes is every batch, exactly once (in order with
+``in_order``). Each state is reached on the native table and on the model alike (twin rings):
+the same answers, the same table, the same bytes and semaphores in the segment."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from shmloader import _native
+from shmloader.main.scheduler import Scheduler
+from shmloader.wire.layout import RingGeometry
+from shmloader.wire.ring import Ring
+from tests.slot_model import DONE_, LOOK, RUN, Handoff, ModelTable, same
+
+DATA = 4096
+
+
+def run(config: tuple[int, int, int, int, bool], path: list[Any]) -> tuple[Handoff, Handoff]:
+    """The native and the model runs after ``path`` (who moved, in turn), checked alike at its end.
+    The caller closes their rings."""
+    workers, slots, cap, tasks, in_order = config
+    geometry = RingGeometry(num_workers=workers, num_slots=slots, data_bytes=DATA)
+    native_ring, model_ring = Ring(geometry), Ring(geometry)
+    native = Scheduler(slots, workers, cap, in_order=in_order)
+    native.attach(native_ring.mm, native_ring.header_offsets, native_ring.data_offsets, native_ring.data_bytes,
+                  native_ring.queue_offsets, native_ring.queue_len, tuple(native_ring.task_sems),
+                  native_ring.ready_sem)
+    runs = Handoff(native, native_ring, tasks), Handoff(ModelTable(slots, workers, cap, in_order=in_order),
+                                                        model_ring, tasks)
+    for who in path:
+        for r in runs:
+            r.move(who)
+    a, b = runs
+    assert isinstance(a.table, Scheduler) and isinstance(b.table, ModelTable)
+    same(a.table, b.table)
+    assert native_ring.mm[:] == model_ring.mm[:]
+    assert (a.consumer, a.workers, a.heads, a.delivered) == (b.consumer, b.workers, b.heads, b.delivered)
+    return runs
+
+
+def explore(config: tuple[int, int, int, int, bool]) -> int:
+    """Every distinct state reachable from the start; returns how many. Fails at a lost wake-up
+    or a wrong epoch, with the path that led there."""
+    tasks, in_order = config[3], config[4]
+    seen: set[Any] = set()
+    frontier: list[list[Any]] = [[]]
+    while frontier:
+        path = frontier.pop()
+        native, model = run(config, path)
+        try:
+            key = model.key()
+            if key in seen:
+                continue
+            seen.add(key)
+            movers = model.movers()
+            assert movers == native.movers(), path
+            if model.consumer == DONE_:
+                got = model.delivered
+                assert (got == list(range(tasks))) if in_order else sorted(got) == list(range(tasks)), (path, got)
+                continue
+            assert movers, f"a lost wake-up: nobody can move after {path} ({model.consumer}, {model.workers})"
+            frontier.extend(path + [who] for who in movers)
+        finally:
+            native.ring.close()
+            model.ring.close()
+    return len(seen)
+
+
+@pytest.mark.parametrize(("config", "states"), [
+    ((1, 2, 1, 4, True), 69),  # one worker, one task at a time
+    ((2, 3, 2, 3, True), 265),  # torch's shape: two workers, a slot more than the tasks
+    ((2, 3, 2, 4, False), 998),
+    ((2, 2, 2, 4, True), 348),  # as many tasks as slots: the step's take frees the slot it refills
+    ((2, 5, 4, 5, True), 991),  # deeper than the workers' turn: tasks queue up
+    ((3, 4, 3, 4, True), 1943),
+], ids=lambda c: f"{c[0]}w-{c[1]}slots-cap{c[2]}-{c[3]}tasks-{'in' if c[4] else 'out-of'}-order"
+   if isinstance(c, tuple) else str(c))
+def test_no_interleaving_loses_a_wake_up(config: tuple[int, int, int, int, bool], states: int) -> None:
+    assert explore(config) == states  # (every state the protocol allows, each reached on both tables)
+
+
+def test_a_token_dropped_instead_of_banked_is_a_lost_wake_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The check itself: a consumer that takes a token while it yields and forgets it (does not
+    # bank it) leaves a published slot nobody will collect; the exploration finds the state
+    # where everyone sleeps.
+    real = Handoff._consumer
+
+    def forgets(self: Handoff) -> None:
+        if self.consumer == LOOK and _native.sem_wait(self.ring.mm, self.ring.ready_sem, 0):
+            self.consumer = RUN  # (the token is gone, and nothing was banked)
+            return
+        real(self)
+
+    monkeypatch.setattr(Handoff, "_consumer", forgets)
+    with pytest.raises(AssertionError, match=r"a lost wake-up: nobody can move after .* \(asleep, \['asleep', 'asleep'\]\)"):
+        explore((2, 3, 2, 3, True))
