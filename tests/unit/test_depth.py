@@ -110,3 +110,15 @@ def test_a_ring_with_fewer_slots_lowers_the_depth_and_says_why() -> None:
     fresh = Depth(DEFAULT, given=False)
     assert fresh.planned(2, 5) == 4
     assert "leave no room to deepen" in fresh.why
+
+
+def test_a_pickled_depth_starts_from_torchs_default_or_the_one_given() -> None:
+    # (a loader pickled for spawn or deepcopy: the depth measured belongs to this process's conditions)
+    import pickle
+
+    grown = Depth(DEFAULT, given=False)
+    grown.prefetch = 8
+    again = pickle.loads(pickle.dumps(grown))
+    assert (again.prefetch, again.given) == (DEFAULT, False)
+    given = pickle.loads(pickle.dumps(Depth(5, given=True)))
+    assert (given.prefetch, given.given, given.why) == (5, True, "prefetch_factor=5 given: torch's meaning")
