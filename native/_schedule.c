@@ -1168,7 +1168,7 @@ static PyObject *get_active(Scheduler *t, void *c) {
 static PyGetSetDef scheduler_getset[] = {
     {"num_slots", (getter)get_num_slots, NULL, "slots of the ring", NULL},
     {"num_workers", (getter)get_num_workers, NULL, "workers", NULL},
-    {"cap", (getter)get_cap, NULL, "tasks that may exist at once (num_workers * prefetch_factor: torch's bound)", NULL},
+    {"cap", (getter)get_cap, NULL, "tasks that may exist at once (num_workers * the depth: torch's prefetch_factor, or the one that adapts)", NULL},
     {"in_order", (getter)get_in_order, NULL, "whether results are taken in sequence order", NULL},
     {"epoch", (getter)get_epoch, NULL, "the current epoch", NULL},
     {"outstanding", (getter)get_outstanding, NULL, "IN_FLIGHT and WAITING tasks of the current epoch", NULL},

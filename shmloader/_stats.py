@@ -136,7 +136,7 @@ class LoaderStats:
             return (f"loader-bound {bound:.0%}, workers {busy:.0%} busy: the workers are the bottleneck; "
                     "add workers or make samples cheaper")
         return (f"loader-bound {bound:.0%}, workers only {busy:.0%} busy: the ring is too shallow for the "
-                "loop's pace; raise prefetch_factor")
+                "loop's pace; raise prefetch_factor (or leave it out: the depth then adapts)")
 
 
 def occupancy(sched: Scheduler, slot_bytes: int, held: int, copying: int) -> RingOccupancy:

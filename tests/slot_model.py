@@ -32,6 +32,9 @@ class ModelTable:
         self.unposted: list[int] = []
         self.tails = [0] * num_workers  # entries queued per worker on the ring (attached: all 0)
 
+    def set_cap(self, cap: int) -> None:
+        self.cap = cap
+
     def bank_token(self) -> None:
         self.banked += 1
 
@@ -244,8 +247,8 @@ def same(native: Scheduler, model: ModelTable) -> None:
 
 
 # ------------------------------------------------------------------ the hand-offs
-RUN, LOOK, ASLEEP, DONE_ = "run", "look", "asleep", "done"  # the consumer's states (and ASLEEP a worker's)
-TAKE, WRITE = "take", "write"  # a worker's other states
+RUN, LOOK, ASLEEP, FINISHED = "run", "look", "asleep", "finished"  # the consumer's (ASLEEP a worker's too)
+TAKE, WRITE, POST = "take", "write", "post"  # a worker's other states
 
 
 def tokens(ring: Ring, sem: int) -> int:
@@ -269,27 +272,34 @@ class Handoff:
     two: the window a lost wake-up would hide in), it LOOKs: a token of the ready semaphore, if
     there is one (a yield's hit), is banked and it runs again; without one it goes ASLEEP (that
     look and the sleep are one: a semaphore's wait), and when woken takes and banks the token.
-    The epoch's end (exhausted, nothing outstanding or ready) is DONE. A worker TAKEs a token of its task semaphore and its queue's next entry (or goes
-    ASLEEP), then WRITEs its task's result: the result fields, STATE = DONE with a release
-    store, a token on the ready semaphore (``worker.loop``'s order), and takes again.
+    The epoch's end (exhausted, nothing outstanding or ready) is FINISHED. The depth may grow
+    once, at any point: ``deepen`` (another cap, as ``Scheduler.set_cap``), a move of its own.
 
-    A lost wake-up is a state where no process can move while the consumer is not DONE."""
+    A worker TAKEs a token of its task semaphore and its queue's next entry (or goes ASLEEP),
+    WRITEs its task's result (the result fields, then STATE = DONE with a release store), then
+    POSTs a token on the ready semaphore (``_native.publish``'s order; two moves here, so that
+    the consumer may look between them), and takes again.
 
-    def __init__(self, table: Scheduler | ModelTable, ring: Ring, tasks: int) -> None:
+    A lost wake-up is a state where no process can move while the consumer is not FINISHED."""
+
+    def __init__(self, table: Scheduler | ModelTable, ring: Ring, tasks: int, deepen: int = 0) -> None:
         self.table, self.ring = table, ring
         self.sampler = iter([[i] for i in range(tasks)])
         self.bases: dict[int, Any] = {}  # the lease table: each batch dropped by the user at once
         self.consumer = RUN
-        self.workers: list[Any] = [TAKE] * ring.geometry.num_workers  # TAKE, ASLEEP or (WRITE, slot)
+        self.workers: list[Any] = [TAKE] * ring.geometry.num_workers  # TAKE, ASLEEP, (WRITE | POST, slot)
         self.heads = [0] * ring.geometry.num_workers  # entries each worker took from its queue
         self.delivered: list[int] = []  # the seqs of the batches taken, in order
+        self.deepen = deepen  # the cap the depth grows to (0: it does not)
 
     def movers(self) -> list[str | int]:
-        """Who can move now: "consumer" and worker ids."""
+        """Who can move now: "consumer", "depth" and worker ids."""
         ring = self.ring
         who: list[str | int] = []
         if self.consumer in (RUN, LOOK) or (self.consumer == ASLEEP and tokens(ring, ring.ready_sem)):
             who.append("consumer")
+        if self.deepen and self.consumer != FINISHED:
+            who.append("depth")
         for w, state in enumerate(self.workers):
             if state != ASLEEP or tokens(ring, ring.task_sems[w]):
                 who.append(w)
@@ -298,6 +308,9 @@ class Handoff:
     def move(self, who: str | int) -> None:
         if who == "consumer":
             self._consumer()
+        elif who == "depth":
+            self.table.set_cap(self.deepen)
+            self.deepen = 0
         else:
             assert isinstance(who, int)
             self._worker(who)
@@ -330,7 +343,7 @@ class Handoff:
             raise AssertionError(f"step answered {Step(got)!r} for plain batches")
         elif table.exhausted and not table.outstanding and not (table.n_ready if isinstance(table, Scheduler)
                                                                   else len(table.ready())):
-            self.consumer = DONE_
+            self.consumer = FINISHED
         else:
             self.consumer = LOOK
 
@@ -345,12 +358,14 @@ class Handoff:
             slot = int(ring.queues[w][self.heads[w] % ring.queue_len])
             self.heads[w] += 1
             self.workers[w] = (WRITE, slot)
-        else:
+        elif state[0] == WRITE:
             slot = state[1]
             hdr = ring.headers[slot]
             hdr[Field.R_SEQ], hdr[Field.R_EPOCH] = hdr[Field.SEQ], hdr[Field.EPOCH]
             hdr[Field.STATUS], hdr[Field.REGION] = int(Status.OK), int(Region.SLOT)
             _native.store_release(ring.mm, ring.state_offsets[slot], DONE)
+            self.workers[w] = (POST, slot)
+        else:
             _native.sem_post(ring.mm, ring.ready_sem)
             self.workers[w] = TAKE
 
@@ -359,4 +374,4 @@ class Handoff:
         table, every process and what was delivered."""
         assert isinstance(self.table, ModelTable)
         return (bytes(self.ring.mm), repr(sorted(vars(self.table).items())), self.consumer, tuple(self.workers),
-                tuple(self.heads), tuple(self.delivered), tuple(sorted(self.bases)))
+                tuple(self.heads), tuple(self.delivered), tuple(sorted(self.bases)), self.deepen)

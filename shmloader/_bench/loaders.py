@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 import shmloader
+from shmloader.main.depth import DEFAULT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +44,6 @@ class Loader:
             return "?"
 
 
-TORCHS = 2  # torch's prefetch_factor, for the loaders that need one said when --prefetch-factor is not
-
-
 def given(pf: int | None) -> dict[str, Any]:
     """``prefetch_factor=pf`` for a loader, or nothing (its own default: torch's 2, shmloader's
     depth that adapts) when ``--prefetch-factor`` was not given."""
@@ -65,7 +63,7 @@ def _spdl(ds: Dataset, bs: int, nw: int, pf: int | None, budget: str | None, **k
 
     kw.pop("persistent_workers", None)  # SPDL keeps its own pipeline alive; it refuses the flag
 
-    return get_pytorch_dataloader(ds, batch_size=bs, num_workers=nw, prefetch_factor=pf or TORCHS, in_order=True, **kw)
+    return get_pytorch_dataloader(ds, batch_size=bs, num_workers=nw, prefetch_factor=pf or DEFAULT, in_order=True, **kw)
 
 
 def _torchdata(ds: Dataset, bs: int, nw: int, pf: int | None, budget: str | None, **kw: Any) -> Any:  # type: ignore[type-arg]
@@ -99,7 +97,7 @@ class _Nodes:
         node: Any = nodes.Batcher(nodes.SamplerWrapper(sampler), batch_size=bs, drop_last=False)
         node = nodes.ParallelMapper(node, _FetchAndCollate(ds, collate_fn), num_workers=nw, in_order=True,
                                     method=method)  # type: ignore[arg-type]
-        self.root = nodes.Prefetcher(node, prefetch_factor=pf or TORCHS)
+        self.root = nodes.Prefetcher(node, prefetch_factor=pf or DEFAULT)
         self.loader = nodes.Loader(self.root)
 
     def __iter__(self) -> Any:
@@ -134,7 +132,7 @@ def _ceiling(ds: Dataset, bs: int, nw: int, pf: int | None, budget: str | None, 
 
     if kw.get("collate_fn") is not None or kw.get("shuffle"):
         raise TypeError("the bare ring stacks fixed-size tensors in order; it has no collate_fn or shuffle")
-    return BareRing(ds, bs, nw, pf or TORCHS)
+    return BareRing(ds, bs, nw, pf or DEFAULT)
 
 
 LOADERS: dict[str, Loader] = {

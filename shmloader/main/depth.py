@@ -60,25 +60,38 @@ class Depth:
 
     def ring_prefetch(self, num_workers: int, slot_bytes: int) -> int:
         """The prefetch factor a ring of ``slot_bytes`` slots is planned for: the deepest the
-        depth may grow to in it (``RING_BYTES``), never below the depth now."""
+        depth may grow to in it (``RING_BYTES``; torch's default at least), whatever it is now
+        (a depth grown for small batches does not make a ring of larger ones deeper)."""
         if self.given:
             return self.prefetch
         room = (RING_BYTES // slot_bytes - 1) // num_workers
-        return max(self.prefetch, min(MOST, room))
+        return max(DEFAULT, min(MOST, room))
 
     def planned(self, num_workers: int, num_slots: int) -> int:
         """A ring of ``num_slots`` was made (``memory_budget`` may have given fewer than asked):
-        the cap of tasks to start it with."""
-        most = max(1, (num_slots - 1) // num_workers)
-        if not self.given:
-            self.most = most
-            if most <= DEFAULT and self.prefetch <= DEFAULT:
-                self.why = (f"{self.prefetch}, torch's default: batches this large leave no room to deepen "
-                            f"(a deeper ring holds at most {RING_BYTES >> 20} MiB, and memory_budget)")
-            if self.prefetch > most:  # (a ring with larger slots, after batches grew)
-                self.prefetch = most
-                self.why = f"{most}: the deepest a ring of these batches allows"
+        the cap of tasks to start it with. A depth deeper than the ring allows comes down to it,
+        never below torch's default (a ring with fewer slots than that holds fewer tasks)."""
+        if self.given:
+            return num_workers * self.prefetch
+        self.most = most = max(DEFAULT, (num_slots - 1) // num_workers)
+        if most <= DEFAULT and self.prefetch <= DEFAULT:
+            self.why = (f"{self.prefetch}, torch's default: batches this large leave no room to deepen "
+                        f"(a deeper ring holds at most {RING_BYTES >> 20} MiB, and memory_budget)")
+        elif self.prefetch > most:  # (a ring of larger slots, after batches grew, or a budget's)
+            self.prefetch = most
+            self.why = f"{most}: the deepest this ring allows (its batches' size, memory_budget)"
         return num_workers * self.prefetch
+
+    def deepen(self, blocked: float, working: float) -> int | None:
+        """A window ended in which the loop was blocked ``blocked`` of its time and the workers
+        busy ``working`` of theirs: the new depth when it grows, else None."""
+        if self.given or self.prefetch >= self.most or blocked < BLOCKED or working >= IDLE:
+            return None
+        self.prefetch = min(self.most, self.prefetch * 2)
+        self.why = (f"{self.prefetch}, grown from torch's default: over {WINDOW} batches the loop waited "
+                    f"{blocked:.0%} of its time while the workers were {working:.0%} busy (the hand-offs, "
+                    f"not the work, set the rate); it grows up to {self.most}")
+        return self.prefetch
 
 
 class Watch:
@@ -105,15 +118,10 @@ class Watch:
         if depth.given or depth.prefetch >= depth.most:
             self.at = 1 << 62  # (nothing left to decide)
             return None
-        if not same or now <= began[2] or any(b < a for a, b in zip(began[1], busy)):  # (a replaced
-            return None                                                                   # worker's start anew)
-        span = now - began[2]
-        blocked = (counters.blocked_s - began[0]) * 1e9 / span
-        working = (sum(busy) - sum(began[1])) / (span * len(busy))
-        if blocked < BLOCKED or working >= IDLE:
+        # (a window begun on another ring, or across a replaced worker, whose counters start anew)
+        if not same or now <= began[2] or any(b < a for a, b in zip(began[1], busy)):
             return None
-        depth.prefetch = min(depth.most, depth.prefetch * 2)
-        depth.why = (f"{depth.prefetch}, grown from torch's default: over {WINDOW} batches the loop waited "
-                     f"{blocked:.0%} of its time while the workers were {working:.0%} busy (the hand-offs, "
-                     f"not the work, set the rate); it grows up to {depth.most}")
-        return len(ring.counters) * depth.prefetch
+        span = now - began[2]
+        prefetch = depth.deepen((counters.blocked_s - began[0]) * 1e9 / span,
+                                (sum(busy) - sum(began[1])) / (span * len(busy)))
+        return None if prefetch is None else len(busy) * prefetch

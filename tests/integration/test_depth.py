@@ -136,6 +136,40 @@ def test_a_prefetch_factor_given_keeps_torchs_meaning(grows: None) -> None:
     del batch
 
 
+class _Growing(tud.Dataset):  # type: ignore[type-arg]
+    """Samples of 4 KiB, then (from ``at`` on) of 1 MiB: int32 equal to i."""
+
+    def __init__(self, n: int, at: int) -> None:
+        self.n, self.at = n, at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((1024 if i < self.at else 1 << 18,), i, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_depth_grown_for_small_batches_gives_larger_ones_torchs_ring(grows: None, persistent: bool) -> None:
+    # The depth reaches 16 on 4 KiB batches; then 1 MiB batches come, the ring grows for them, and
+    # it is torch's ring again (5 slots: never 33 of 1 MiB), this epoch and the next.
+    loader: Any = shmloader.DataLoader(_Growing(800, at=400), batch_size=4, num_workers=2,
+                                       persistent_workers=persistent)
+    for epoch in range(2):
+        depths, slots = [], []
+        for k, batch in enumerate(loader):
+            assert int(batch[0, 0]) == 4 * k and batch.shape[1] == (1024 if 4 * k < 400 else 1 << 18)
+            stats = loader.stats()
+            assert stats.ring is not None
+            depths.append(stats.depth)
+            slots.append(stats.ring.slots)
+            assert stats.ring.slots <= 5 or stats.ring.slots * stats.ring.slot_bytes <= 4 << 20  # (never both)
+        if epoch == 0:
+            assert max(depths) == 16 and slots[0] == 33
+        assert depths[-1] == 2 and slots[-1] == 5, (depths[-5:], slots[-5:])
+    del batch
+
+
 def test_large_batches_never_deepen_past_torchs_memory(grows: None) -> None:
     # 1 MiB batches: a ring deeper than torch's default would pass the 4 MiB a deeper ring may hold.
     loader = shmloader.DataLoader(_Wide(4000), batch_size=256, num_workers=2, persistent_workers=True)

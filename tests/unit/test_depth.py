@@ -100,16 +100,22 @@ def test_rings_deeper_than_torchs_are_for_small_batches_only() -> None:
     assert (2 * 7 + 1) * 256 * 1024 <= RING_BYTES < (2 * 8 + 1) * 256 * 1024
     assert depth.ring_prefetch(2, 1 << 20) == DEFAULT  # torch's ring, never more
     assert depth.ring_prefetch(8, 1 << 20) == DEFAULT
+    depth.prefetch = MOST  # grown for small batches: larger ones get torch's ring all the same
+    assert depth.ring_prefetch(2, 1 << 20) == DEFAULT and depth.ring_prefetch(2, 256 * 1024) == 7
 
 
 def test_a_ring_with_fewer_slots_lowers_the_depth_and_says_why() -> None:
     depth = Depth(DEFAULT, given=False)
     depth.prefetch = 8
     assert depth.planned(2, 9) == 2 * 4  # (memory_budget, or a ring grown for larger batches)
-    assert depth.prefetch == depth.most == 4 and depth.why == "4: the deepest a ring of these batches allows"
+    assert depth.prefetch == depth.most == 4
+    assert depth.why == "4: the deepest this ring allows (its batches' size, memory_budget)"
+    assert depth.planned(2, 3) == 2 * DEFAULT  # a budget's ring of 3: never below torch's depth
+    assert depth.prefetch == depth.most == DEFAULT
     fresh = Depth(DEFAULT, given=False)
     assert fresh.planned(2, 5) == 4
     assert "leave no room to deepen" in fresh.why
+    assert Depth(3, given=True).planned(2, 4) == 2 * 3  # (torch's cap: the ring's slots hold fewer)
 
 
 def test_a_pickled_depth_starts_from_torchs_default_or_the_one_given() -> None:

