@@ -103,8 +103,8 @@ class Watch:
         self.counters = counters
         self.at = 1 << 62 if depth.given else counters.batches + START  # the batch count of the next look
         self._ring: Any = None
-        self._since: tuple[float, tuple[int, ...], int] = (0.0, (), 0)  # (blocked_s, each worker's busy ns,
-        # monotonic ns) at the window's start
+        # At the window's start: (blocked_s, each worker's busy ns, monotonic ns)
+        self._since: tuple[float, tuple[int, ...], int] = (0.0, (), 0)
 
     def look(self, ring: Any) -> int | None:
         """The window ended (``counters.batches >= at``): the new cap of tasks when the depth
