@@ -52,7 +52,8 @@ def attach_options(loader: Any, *, slot_bytes: int | None = None, device: str | 
     loader._shm_memory_budget = None if memory_budget is None else parse_size(memory_budget)
     loader._shm_counters = Counters()
     loader._shm_memory = LoaderMemory()  # every byte of shared memory the loader's iterators map
-    loader._shm_depth = Depth(loader.prefetch_factor or DEFAULT, prefetch_given)  # batches in flight per worker
+    # batches in flight per worker
+    loader._shm_depth = Depth(loader.prefetch_factor or DEFAULT, prefetch_given, loader._shm_memory_budget)
     loader.device = device
     loader.device_prefetch = device_prefetch
     loader._shm_device = _device.parse_device(device, loader.num_workers)

@@ -28,7 +28,8 @@ from shmloader.wire.layout import Counter
 
 DEFAULT = 2  # torch's prefetch_factor when num_workers > 0 and none is given
 MOST = 16  # the deepest an adaptive depth grows to (batches in flight per worker)
-RING_BYTES = 4 << 20  # the most slot data a ring made deeper than torch's default may hold
+RING_BYTES = 4 << 20  # the most slot data a ring made deeper than torch's default may hold...
+BUDGET_SHARE = 8  # ...and, under memory_budget, this fraction of it at most (the rest stays the batches')
 START = 32  # batches before the first window begins (a start-up's are not the steady state)
 WINDOW = 128  # batches a window lasts
 BLOCKED = 0.25  # the loop was blocked at least this share of the window...
@@ -39,8 +40,12 @@ class Depth:
     """One loader's depth: batches in flight per worker, kept across its epochs (a later epoch's
     ring starts where the last one ended), and why it is what it is (``stats().depth_why``)."""
 
-    def __init__(self, prefetch_factor: int, given: bool) -> None:
+    def __init__(self, prefetch_factor: int, given: bool, budget: int | None = None) -> None:
         self.given = given
+        self.budget = budget
+        # The room a deeper ring may take: under a budget, a share of it, so that overflow and
+        # held batches keep what torch's depth left them
+        self.ring_bytes = RING_BYTES if budget is None else min(RING_BYTES, budget // BUDGET_SHARE)
         self.prefetch = prefetch_factor  # tasks per worker now (the scheduler's cap / num_workers)
         self.most = prefetch_factor  # the deepest the current ring allows
         self.why = f"{prefetch_factor}, torch's default, until the loop waits on idle workers"
@@ -49,7 +54,7 @@ class Depth:
     def __reduce__(self) -> tuple[Any, ...]:
         """A loader pickled or copied starts from torch's default again (the depth measured
         belongs to this process's conditions)."""
-        return (Depth, (self.prefetch if self.given else DEFAULT, self.given))
+        return (Depth, (self.prefetch if self.given else DEFAULT, self.given, self.budget))
 
     def begin(self, prefetch_factor: int) -> None:
         """An iterator begins. With ``prefetch_factor`` given, the loader's attribute is the depth
@@ -60,11 +65,12 @@ class Depth:
 
     def ring_prefetch(self, num_workers: int, slot_bytes: int) -> int:
         """The prefetch factor a ring of ``slot_bytes`` slots is planned for: the deepest the
-        depth may grow to in it (``RING_BYTES``; torch's default at least), whatever it is now
-        (a depth grown for small batches does not make a ring of larger ones deeper)."""
+        depth may grow to in it (``RING_BYTES``, or an eighth of memory_budget when less; torch's
+        default at least), whatever it is now (a depth grown for small batches does not make a
+        ring of larger ones deeper)."""
         if self.given:
             return self.prefetch
-        room = (RING_BYTES // slot_bytes - 1) // num_workers
+        room = (self.ring_bytes // slot_bytes - 1) // num_workers
         return max(DEFAULT, min(MOST, room))
 
     def planned(self, num_workers: int, num_slots: int) -> int:
@@ -76,7 +82,7 @@ class Depth:
         self.most = most = max(DEFAULT, (num_slots - 1) // num_workers)
         if most <= DEFAULT and self.prefetch <= DEFAULT:
             self.why = (f"{self.prefetch}, torch's default: batches this large leave no room to deepen "
-                        f"(a deeper ring holds at most {RING_BYTES >> 20} MiB, and memory_budget)")
+                        f"(a deeper ring holds at most {RING_BYTES >> 20} MiB, or an eighth of memory_budget)")
         elif self.prefetch > most:  # (a ring of larger slots, after batches grew, or a budget's)
             self.prefetch = most
             self.why = f"{most}: the deepest this ring allows (its batches' size, memory_budget)"

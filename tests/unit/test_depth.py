@@ -104,6 +104,12 @@ def test_rings_deeper_than_torchs_are_for_small_batches_only() -> None:
     assert depth.ring_prefetch(2, 1 << 20) == DEFAULT and depth.ring_prefetch(2, 256 * 1024) == 7
 
 
+def test_under_a_budget_a_deeper_ring_takes_an_eighth_of_it_at_most() -> None:
+    assert Depth(DEFAULT, given=False, budget=64 << 20).ring_prefetch(2, 4096) == MOST  # (4 MiB: all of it)
+    assert Depth(DEFAULT, given=False, budget=8 << 20).ring_prefetch(2, 256 * 1024) == DEFAULT  # 1 MiB: torch's
+    assert Depth(DEFAULT, given=False, budget=16 << 20).ring_prefetch(2, 256 * 1024) == 3  # 2 MiB: 7 slots
+
+
 def test_a_ring_with_fewer_slots_lowers_the_depth_and_says_why() -> None:
     depth = Depth(DEFAULT, given=False)
     depth.prefetch = 8
