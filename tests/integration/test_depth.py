@@ -75,7 +75,9 @@ def test_a_checkpoint_taken_while_the_depth_grows_resumes_exactly(grows: None, i
         return shmloader.DataLoader(dataset(kind), batch_size=4, num_workers=2, in_order=in_order, shuffle=shuffle,
                                     generator=torch.Generator().manual_seed(9))
 
-    whole = [b.tolist() for b in make()]
+    # The reference: torch's own loader, uninterrupted, on the same job
+    whole = [b.tolist() for b in tud.DataLoader(dataset(kind), batch_size=4, num_workers=2, shuffle=shuffle,
+                                                generator=torch.Generator().manual_seed(9))]
     loader = make()
     it = iter(loader)
     before = [next(it).tolist() for _ in range(at)]
