@@ -17,7 +17,7 @@ from shmloader.wire.layout import Counter
 class Counters:
     """Mutable tallies kept across the loader's iterators (epochs)."""
 
-    __slots__ = ("batches", "bytes", "wait_s", "blocked_s", "compute_s", "copies", "worker_restarts",
+    __slots__ = ("batches", "bytes", "wait_s", "blocked_s", "waits", "compute_s", "copies", "worker_restarts",
                  "overflow_batches", "ring_growths", "_last_return")
 
     def __init__(self) -> None:
@@ -25,6 +25,7 @@ class Counters:
         self.bytes = 0
         self.wait_s = 0.0
         self.blocked_s = 0.0  # the part of wait_s spent blocked (semaphore, event loop, pipes)
+        self.waits = 0  # the blocked waits it took (main.depth: how long one is)
         self.compute_s = 0.0
         self.copies = 0
         self.worker_restarts = 0

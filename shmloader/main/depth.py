@@ -10,12 +10,13 @@ waits for a scheduler slice: the rate becomes (batches in flight) / (wake-up lat
 deeper queue lets each wake-up carry more batches. A loop that computes (it never waits) or
 workers that are busy (the data is the limit) never deepen it.
 
-The ring is made for the deepest the depth may grow to (``ring_prefetch``), so growing it is
-one number in the scheduler (``Scheduler.set_cap``): no new ring, no drain. Small batches only:
-that ring holds at most ``RING_BYTES`` of slots, and it stays within ``memory_budget``
-(``budget.plan_ring`` gives fewer slots); batches too large for a deeper ring in that room keep
-torch's default, and so never more memory than torch's loader. Batches, their order and
-checkpoints do not depend on the depth: it only says how far ahead the sampler is drawn.
+On an idle machine a loop that takes tiny batches shows the first two signs too: it waits on
+workers that spend their time handing off. But there a wait is a wake-up's, 10-35 µs, and a
+deeper queue raises the rate little while it makes the rare ``next()`` that finds the ring empty
+wait for a worker's whole queue (p99 ~100 µs against ~30). Beside CPU-bound neighbours a wait
+is a scheduler's, often a time slice: so the depth grows only while the mean blocked wait is
+``WAIT_NS`` at least. Windows last ``WINDOW`` batches and ``SPAN_NS`` at least, so that their
+means are not one scheduler tick's.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ START = 32  # batches before the first window begins (a start-up's are not the s
 WINDOW = 128  # batches a window lasts
 BLOCKED = 0.25  # the loop was blocked at least this share of the window...
 IDLE = 0.5  # ...while the workers were busy less than this share of it, on average
+WAIT_NS = 50_000  # ...and its blocked waits took this long on average (a scheduler's, not a wake-up's)
+SPAN_NS = 20_000_000  # the shortest a window is (a mean over less is one scheduler tick's)
 
 
 class Depth:
@@ -88,15 +91,18 @@ class Depth:
             self.why = f"{most}: the deepest this ring allows (its batches' size, memory_budget)"
         return num_workers * self.prefetch
 
-    def deepen(self, blocked: float, working: float) -> int | None:
-        """A window ended in which the loop was blocked ``blocked`` of its time and the workers
-        busy ``working`` of theirs: the new depth when it grows, else None."""
-        if self.given or self.prefetch >= self.most or blocked < BLOCKED or working >= IDLE:
+    def deepen(self, blocked: float, working: float, wait_ns: float) -> int | None:
+        """A window ended in which the loop was blocked ``blocked`` of its time, for ``wait_ns``
+        a wait on average, and the workers busy ``working`` of theirs: the new depth when it
+        grows, else None."""
+        if (self.given or self.prefetch >= self.most or blocked < BLOCKED or working >= IDLE
+                or wait_ns < WAIT_NS):
             return None
         self.prefetch = min(self.most, self.prefetch * 2)
         self.why = (f"{self.prefetch}, grown from torch's default: over {WINDOW} batches the loop waited "
-                    f"{blocked:.0%} of its time while the workers were {working:.0%} busy (the hand-offs, "
-                    f"not the work, set the rate); it grows up to {self.most}")
+                    f"{blocked:.0%} of its time, {wait_ns / 1e3:.0f} µs a wait, while the workers were "
+                    f"{working:.0%} busy (the hand-offs, not the work, set the rate); it grows up to "
+                    f"{self.most}")
         return self.prefetch
 
 
@@ -109,25 +115,31 @@ class Watch:
         self.counters = counters
         self.at = 1 << 62 if depth.given else counters.batches + START  # the batch count of the next look
         self._ring: Any = None
-        # At the window's start: (blocked_s, each worker's busy ns, monotonic ns)
-        self._since: tuple[float, tuple[int, ...], int] = (0.0, (), 0)
+        # At the window's start: (blocked_s, each worker's busy ns, monotonic ns, waits)
+        self._since: tuple[float, tuple[int, ...], int, int] = (0.0, (), 0, 0)
 
     def look(self, ring: Any) -> int | None:
-        """The window ended (``counters.batches >= at``): the new cap of tasks when the depth
-        grows, else None. A window begun on another ring (grown, or the first) starts over."""
+        """The window may have ended (``counters.batches >= at``): the new cap of tasks when the
+        depth grows, else None. A window lasts ``SPAN_NS`` at least; one begun on another ring
+        (grown, or the first), or across a replaced worker, starts over."""
         depth, counters = self.depth, self.counters
         now = time.monotonic_ns()
-        busy = tuple(int(c[Counter.BUSY_NS]) for c in ring.counters)
-        began, self._since = self._since, (counters.blocked_s, busy, now)
-        same, self._ring = self._ring is ring, ring
         self.at = counters.batches + WINDOW
         if depth.given or depth.prefetch >= depth.most:
             self.at = 1 << 62  # (nothing left to decide)
             return None
+        busy = tuple(int(c[Counter.BUSY_NS]) for c in ring.counters)
+        began = self._since
         # (a window begun on another ring, or across a replaced worker, whose counters start anew)
-        if not same or now <= began[2] or any(b < a for a, b in zip(began[1], busy)):
-            return None
-        span = now - began[2]
-        prefetch = depth.deepen((counters.blocked_s - began[0]) * 1e9 / span,
-                                (sum(busy) - sum(began[1])) / (span * len(busy)))
+        if self._ring is ring and began[2] < now and all(a <= b for a, b in zip(began[1], busy)):
+            span = now - began[2]
+            if span < SPAN_NS:
+                return None  # (the window goes on)
+            blocked_ns = (counters.blocked_s - began[0]) * 1e9
+            prefetch = depth.deepen(blocked_ns / span, (sum(busy) - sum(began[1])) / (span * len(busy)),
+                                    blocked_ns / max(1, counters.waits - began[3]))
+        else:
+            prefetch = None
+        self._ring = ring
+        self._since = (counters.blocked_s, busy, now, counters.waits)
         return None if prefetch is None else len(busy) * prefetch

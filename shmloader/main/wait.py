@@ -84,6 +84,7 @@ class Waiter:
             self._block(request, check, deadline)
         finally:
             self.counters.blocked_s += time.perf_counter() - began
+            self.counters.waits += 1
 
     def _block(self, request: Request, check: Callable[[], None], deadline: float | None) -> None:
         if isinstance(request, Copy):
@@ -116,6 +117,7 @@ class Waiter:
             await self._wait(request, check, deadline)
         finally:
             self.counters.blocked_s += time.perf_counter() - began
+            self.counters.waits += 1
 
     async def _wait(self, request: Request, check: Callable[[], None], deadline: float | None) -> None:
         if isinstance(request, Copy):

@@ -29,6 +29,8 @@ def grows(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_depth, "WINDOW", 3)
     monkeypatch.setattr(_depth, "BLOCKED", 0.0)
     monkeypatch.setattr(_depth, "IDLE", float("inf"))
+    monkeypatch.setattr(_depth, "WAIT_NS", 0)
+    monkeypatch.setattr(_depth, "SPAN_NS", 0)
 
 
 def dataset(kind: str) -> Any:

@@ -1,5 +1,5 @@
 """The depth's decision (``main.depth``), with a fake clock and fake worker counters: it grows
-only while the loop waits and the workers idle, doubles up to what the ring allows, never moves
+only while the loop waits, each wait a scheduler's, on idle workers, doubles up to what the ring allows, never moves
 when ``prefetch_factor`` was given, and plans rings deeper than torch's for small batches only."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from shmloader._stats import Counters
 from shmloader.main import depth as _depth
-from shmloader.main.depth import DEFAULT, MOST, RING_BYTES, WINDOW, Depth, Watch
+from shmloader.main.depth import DEFAULT, MOST, RING_BYTES, SPAN_NS, WAIT_NS, WINDOW, Depth, Watch
 from shmloader.wire.layout import N_COUNTERS, Counter
 
 MS = 1_000_000
@@ -36,10 +36,12 @@ def ring(workers: int = 2) -> Any:
     return SimpleNamespace(counters=[[0] * N_COUNTERS for _ in range(workers)])
 
 
-def window(watch: Watch, r: Any, clock: Clock, blocked: float, busy: float) -> int | None:
-    """One window of 100 ms: the loop blocked ``blocked`` of it, each worker busy ``busy`` of it."""
+def window(watch: Watch, r: Any, clock: Clock, blocked: float, busy: float, wait_us: float = 1000) -> int | None:
+    """One window of 100 ms: the loop blocked ``blocked`` of it, in waits of ``wait_us`` (a
+    scheduler's time slice by default), each worker busy ``busy`` of it."""
     clock.ns += 100 * MS
     watch.counters.blocked_s += 0.1 * blocked
+    watch.counters.waits += round(0.1 * blocked * 1e6 / wait_us)
     watch.counters.batches += WINDOW
     for c in r.counters:
         c[Counter.BUSY_NS] += int(100 * MS * busy)
@@ -60,8 +62,33 @@ def test_it_grows_while_the_loop_waits_on_idle_workers_and_doubles_up_to_the_rin
     caps = [window(watch, r, clock, blocked=0.8, busy=0.1) for _ in range(5)]
     assert caps == [2 * 4, 2 * 8, 2 * 16, None, None]
     assert depth.prefetch == MOST
-    assert depth.why.startswith("16, grown from torch's default: over 128 batches the loop waited 80% of its time "
-                                "while the workers were 10% busy"), depth.why
+    assert depth.why.startswith("16, grown from torch's default: over 128 batches the loop waited 80% of its time, "
+                                "1000 µs a wait, while the workers were 10% busy"), depth.why
+    assert watch.at > 10**15  # (nothing left to decide)
+
+
+def test_an_idle_machines_short_waits_keep_torchs_depth(clock: Clock) -> None:
+    # The loop waits on idle workers, but each wait is a wake-up's (20 µs), not a scheduler's: a
+    # deeper queue would make the rare empty ring's wait a worker's whole queue
+    depth, r = Depth(DEFAULT, given=False), ring()
+    watch = started(depth, clock, r)
+    assert [window(watch, r, clock, blocked=0.8, busy=0.1, wait_us=20) for _ in range(4)] == [None] * 4
+    assert depth.prefetch == DEFAULT and "torch's default" in depth.why
+    assert window(watch, r, clock, blocked=0.8, busy=0.1, wait_us=2 * WAIT_NS / 1e3) == 2 * 4  # (neighbours came)
+
+
+def test_a_window_lasts_long_enough_for_a_mean(clock: Clock) -> None:
+    # 128 tiny batches take under a millisecond on an idle machine: the window goes on until SPAN_NS
+    depth, r = Depth(DEFAULT, given=False), ring()
+    watch = started(depth, clock, r)
+    for _ in range(3):
+        clock.ns += SPAN_NS // 4
+        watch.counters.batches += WINDOW
+        watch.counters.blocked_s += SPAN_NS / 4e9
+        watch.counters.waits += 1
+        assert watch.look(r) is None and watch.at == watch.counters.batches + WINDOW
+    clock.ns += SPAN_NS // 4
+    assert watch.look(r) == 2 * 4  # (blocked all of it, 5 ms a wait, workers idle)
 
 
 @pytest.mark.parametrize(("blocked", "busy"), [(0.1, 0.1), (0.8, 0.9), (0.3, 0.5)])
