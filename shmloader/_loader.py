@@ -100,7 +100,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     and the one in the caller's hands); a slot returns to the
     ring when the batch's last tensor is dropped, or at once with :meth:`release`. Without
     ``prefetch_factor`` the depth adapts: torch's 2 to start with, deeper for small batches
-    while the loop waits on idle workers (``stats().depth`` and ``depth_why``).
+    while the loop waits on idle workers, each wait a scheduler's (beside CPU-bound neighbours;
+    ``stats().depth`` and ``depth_why``).
 
     Args beyond torch's:
         snapshot_every_n_steps: torchdata's ``StatefulDataLoader`` option, with its meaning: a

@@ -104,7 +104,7 @@ class LoaderStats:
     depth: int = 0
     """Batches in flight per worker now (torch's ``prefetch_factor``): the one given, or, without
     it, the depth that adapts (torch's default 2, deeper for small batches while the loop waits
-    on idle workers)."""
+    on idle workers, each wait a scheduler's: beside CPU-bound neighbours)."""
     depth_why: str = ""
     """Why ``depth`` is what it is, in one sentence."""
 
@@ -137,7 +137,8 @@ class LoaderStats:
             return (f"loader-bound {bound:.0%}, workers {busy:.0%} busy: the workers are the bottleneck; "
                     "add workers or make samples cheaper")
         return (f"loader-bound {bound:.0%}, workers only {busy:.0%} busy: the ring is too shallow for the "
-                "loop's pace; raise prefetch_factor (or leave it out: the depth then adapts)")
+                "loop's pace; raise prefetch_factor (or leave it out: the depth then adapts beside CPU-bound "
+                "neighbours)")
 
 
 def occupancy(sched: Scheduler, slot_bytes: int, held: int, copying: int) -> RingOccupancy:

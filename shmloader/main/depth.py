@@ -51,7 +51,8 @@ class Depth:
         self.ring_bytes = RING_BYTES if budget is None else min(RING_BYTES, budget // BUDGET_SHARE)
         self.prefetch = prefetch_factor  # tasks per worker now (the scheduler's cap / num_workers)
         self.most = prefetch_factor  # the deepest the current ring allows
-        self.why = f"{prefetch_factor}, torch's default, until the loop waits on idle workers"
+        self.why = (f"{prefetch_factor}, torch's default, until the loop waits on idle workers for "
+                    f"{WAIT_NS // 1000} µs a wait or more (a scheduler's wait, beside CPU-bound neighbours)")
         self.begin(prefetch_factor)
 
     def __reduce__(self) -> tuple[Any, ...]:
