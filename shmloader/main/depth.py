@@ -100,7 +100,8 @@ class Depth:
                 or wait_ns < WAIT_NS):
             return None
         self.prefetch = min(self.most, self.prefetch * 2)
-        self.why = (f"{self.prefetch}, grown from torch's default: over {WINDOW} batches the loop waited "
+        self.why = (f"{self.prefetch}, grown from torch's default: over a window ({WINDOW} batches and "
+                    f"{SPAN_NS // 1_000_000} ms at least) the loop waited "
                     f"{blocked:.0%} of its time, {wait_ns / 1e3:.0f} µs a wait, while the workers were "
                     f"{working:.0%} busy (the hand-offs, not the work, set the rate); it grows up to "
                     f"{self.most}")
@@ -108,8 +109,9 @@ class Depth:
 
 
 class Watch:
-    """One iterator's look at its depth: every ``WINDOW`` batches, the share of the window the
-    loop spent blocked and the workers' mean busy share (their counters in the ring)."""
+    """One iterator's look at its depth: every window (``WINDOW`` batches and ``SPAN_NS`` at
+    least), the share of it the loop spent blocked, its mean blocked wait, and the workers' mean
+    busy share (their counters in the ring)."""
 
     def __init__(self, depth: Depth, counters: Counters) -> None:
         self.depth = depth
@@ -137,8 +139,9 @@ class Watch:
             if span < SPAN_NS:
                 return None  # (the window goes on)
             blocked_ns = (counters.blocked_s - began[0]) * 1e9
+            waits = counters.waits - began[3]  # (none counted: no wait is long, nothing to grow for)
             prefetch = depth.deepen(blocked_ns / span, (sum(busy) - sum(began[1])) / (span * len(busy)),
-                                    blocked_ns / max(1, counters.waits - began[3]))
+                                    blocked_ns / waits if waits > 0 else 0.0)
         else:
             prefetch = None
         self._ring = ring

@@ -11,6 +11,7 @@ tested with a fake clock in ``tests/unit/test_depth.py``.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -184,3 +185,19 @@ def test_large_batches_never_deepen_past_torchs_memory(grows: None) -> None:
     assert stats.depth == 2 and stats.ring is not None and stats.ring.slots == 5, stats
     assert "leave no room to deepen" in stats.depth_why
     del it
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_loops_waits_are_counted_for_the_depth(mode: str) -> None:
+    # (the depth grows only for long waits: a wait not counted would read as one long one)
+    loader: Any = shmloader.DataLoader(Range(64), batch_size=4, num_workers=2)
+    if mode == "sync":
+        got = [b.tolist() for b in loader]
+    else:
+        async def consume() -> list[Any]:
+            return [b.tolist() async for b in loader]
+
+        got = asyncio.run(consume())
+    assert got == [b.tolist() for b in tud.DataLoader(Range(64), batch_size=4)]
+    counters = loader._shm_counters
+    assert counters.waits >= 1 and counters.blocked_s > 0  # (the first batch, at least, was waited for)

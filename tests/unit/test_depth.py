@@ -62,8 +62,8 @@ def test_it_grows_while_the_loop_waits_on_idle_workers_and_doubles_up_to_the_rin
     caps = [window(watch, r, clock, blocked=0.8, busy=0.1) for _ in range(5)]
     assert caps == [2 * 4, 2 * 8, 2 * 16, None, None]
     assert depth.prefetch == MOST
-    assert depth.why.startswith("16, grown from torch's default: over 128 batches the loop waited 80% of its time, "
-                                "1000 µs a wait, while the workers were 10% busy"), depth.why
+    assert depth.why.startswith("16, grown from torch's default: over a window (128 batches and 20 ms at least) the "
+                                "loop waited 80% of its time, 1000 µs a wait, while the workers were 10% busy"), depth.why
     assert watch.at > 10**15  # (nothing left to decide)
 
 
@@ -74,7 +74,18 @@ def test_an_idle_machines_short_waits_keep_torchs_depth(clock: Clock) -> None:
     watch = started(depth, clock, r)
     assert [window(watch, r, clock, blocked=0.8, busy=0.1, wait_us=20) for _ in range(4)] == [None] * 4
     assert depth.prefetch == DEFAULT and "torch's default" in depth.why
-    assert window(watch, r, clock, blocked=0.8, busy=0.1, wait_us=2 * WAIT_NS / 1e3) == 2 * 4  # (neighbours came)
+    assert window(watch, r, clock, blocked=0.8, busy=0.1, wait_us=0.9 * WAIT_NS / 1e3) is None  # (just under)
+    assert window(watch, r, clock, blocked=0.8, busy=0.1, wait_us=1.1 * WAIT_NS / 1e3) == 2 * 4  # (neighbours came)
+
+
+def test_a_window_without_a_wait_counted_never_grows(clock: Clock) -> None:
+    # (blocked time with no wait counted is no evidence of a long wait)
+    depth, r = Depth(DEFAULT, given=False), ring()
+    watch = started(depth, clock, r)
+    clock.ns += 100 * MS
+    watch.counters.blocked_s += 0.08
+    watch.counters.batches += WINDOW
+    assert watch.look(r) is None and depth.prefetch == DEFAULT
 
 
 def test_a_window_lasts_long_enough_for_a_mean(clock: Clock) -> None:

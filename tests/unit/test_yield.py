@@ -77,6 +77,7 @@ def test_a_token_taken_while_yielding_is_banked_for_the_step() -> None:
     w.block(Ready(current), no_sleep, None)  # type: ignore[arg-type]
     assert current.sched.banked == 1  # one token banked (a token means "look for DONE slots")...
     assert _native.sem_wait(mm, SEM, 0) and not _native.sem_wait(mm, SEM, 0)  # ...the other left
+    assert w.counters.waits == 1 and w.counters.blocked_s > 0  # (main.depth: how long a wait is)
 
 
 def test_yield_wait_says_how_many_yields_it_took_and_takes_one_token() -> None:
