@@ -248,7 +248,8 @@ def same(native: Scheduler, model: ModelTable) -> None:
 
 # ------------------------------------------------------------------ the hand-offs
 RUN, LOOK, ASLEEP, FINISHED = "run", "look", "asleep", "finished"  # the consumer's (ASLEEP a worker's too)
-TAKE, WRITE, POST = "take", "write", "post"  # a worker's other states
+ARM, DRAIN, PEEK, RINGING = "arm", "drain", "peek", "ringing"  # an ``async for`` consumer's, in place of LOOK, ASLEEP
+TAKE, WRITE, POST, FLAG, RING = "take", "write", "post", "flag", "ring"  # a worker's other states
 
 
 def tokens(ring: Ring, sem: int) -> int:
@@ -275,28 +276,40 @@ class Handoff:
     The epoch's end (exhausted, nothing outstanding or ready) is FINISHED. The depth may grow
     once, at any point: ``deepen`` (another cap, as ``Scheduler.set_cap``), a move of its own.
 
+    With ``bell`` the consumer is an ``async for`` (``main.wait.Waiter._wait``): after a step
+    that found nothing it ARMs (sets the doorbell flag in the segment, fenced), DRAINs the
+    doorbell (an eventfd: ``bell`` counts its writes), PEEKs (a token taken is banked and it runs
+    again, the flag cleared), and without one is RINGING: its event loop waits on the eventfd,
+    and once it was written it clears the flag and runs again (the step takes the tokens).
+
     A worker TAKEs a token of its task semaphore and its queue's next entry (or goes ASLEEP),
     WRITEs its task's result (the result fields, then STATE = DONE with a release store), then
     POSTs a token on the ready semaphore (``_native.publish``'s order; two moves here, so that
-    the consumer may look between them), and takes again.
+    the consumer may look between them), and takes again. With ``bell``, after the post it
+    reads the doorbell FLAG (after a full fence) and, when set, RINGs the doorbell: each a move
+    of its own (``worker.loop``'s write comes after ``publish`` returns).
 
     A lost wake-up is a state where no process can move while the consumer is not FINISHED."""
 
-    def __init__(self, table: Scheduler | ModelTable, ring: Ring, tasks: int, deepen: int = 0) -> None:
+    def __init__(self, table: Scheduler | ModelTable, ring: Ring, tasks: int, deepen: int = 0,
+                 bell: bool = False) -> None:
         self.table, self.ring = table, ring
         self.sampler = iter([[i] for i in range(tasks)])
         self.bases: dict[int, Any] = {}  # the lease table: each batch dropped by the user at once
         self.consumer = RUN
-        self.workers: list[Any] = [TAKE] * ring.geometry.num_workers  # TAKE, ASLEEP, (WRITE | POST, slot)
+        self.workers: list[Any] = [TAKE] * ring.geometry.num_workers  # TAKE, ASLEEP, (WRITE | POST | FLAG | RING, slot)
         self.heads = [0] * ring.geometry.num_workers  # entries each worker took from its queue
         self.delivered: list[int] = []  # the seqs of the batches taken, in order
         self.deepen = deepen  # the cap the depth grows to (0: it does not)
+        self.async_for = bell  # the consumer waits on the doorbell (``async for``), not the semaphore
+        self.bell = 0  # the doorbell eventfd's count
 
     def movers(self) -> list[str | int]:
         """Who can move now: "consumer", "depth" and worker ids."""
         ring = self.ring
         who: list[str | int] = []
-        if self.consumer in (RUN, LOOK) or (self.consumer == ASLEEP and tokens(ring, ring.ready_sem)):
+        if (self.consumer in (RUN, LOOK, ARM, DRAIN, PEEK) or (self.consumer == ASLEEP and tokens(ring, ring.ready_sem))
+                or (self.consumer == RINGING and self.bell)):
             who.append("consumer")
         if self.deepen and self.consumer != FINISHED:
             who.append("depth")
@@ -323,6 +336,9 @@ class Handoff:
 
     def _consumer(self) -> None:
         ring, table = self.ring, self.table
+        if self.consumer in (ARM, DRAIN, PEEK, RINGING):
+            self._async_wait()
+            return
         if self.consumer == ASLEEP:  # woken: the token is its own
             assert _native.sem_wait(ring.mm, ring.ready_sem, 0)
             table.bank_token()
@@ -345,7 +361,27 @@ class Handoff:
                                                                   else len(table.ready())):
             self.consumer = FINISHED
         else:
-            self.consumer = LOOK
+            self.consumer = ARM if self.async_for else LOOK
+
+    def _async_wait(self) -> None:
+        """One move of an ``async for``'s wait for a batch (``Waiter._wait``'s order)."""
+        ring = self.ring
+        if self.consumer == ARM:
+            ring.want_doorbell(True)
+            self.consumer = DRAIN
+        elif self.consumer == DRAIN:
+            self.bell = 0
+            self.consumer = PEEK
+        elif self.consumer == PEEK:
+            if _native.sem_wait(ring.mm, ring.ready_sem, 0):
+                ring.want_doorbell(False)
+                self.table.bank_token()
+                self.consumer = RUN
+            else:
+                self.consumer = RINGING
+        else:  # RINGING, and the doorbell was written: the loop's reader runs
+            ring.want_doorbell(False)
+            self.consumer = RUN
 
     def _worker(self, w: int) -> None:
         ring, state = self.ring, self.workers[w]
@@ -365,8 +401,14 @@ class Handoff:
             hdr[Field.STATUS], hdr[Field.REGION] = int(Status.OK), int(Region.SLOT)
             _native.store_release(ring.mm, ring.state_offsets[slot], DONE)
             self.workers[w] = (POST, slot)
-        else:
+        elif state[0] == POST:
             _native.sem_post(ring.mm, ring.ready_sem)
+            self.workers[w] = (FLAG, state[1]) if self.async_for else TAKE  # (no flag set without one)
+        elif state[0] == FLAG:
+            flag = int.from_bytes(ring.mm[ring.doorbell_flag:ring.doorbell_flag + 8], "little")
+            self.workers[w] = (RING, state[1]) if flag else TAKE
+        else:
+            self.bell += 1
             self.workers[w] = TAKE
 
     def key(self) -> tuple[Any, ...]:
@@ -374,4 +416,4 @@ class Handoff:
         table, every process and what was delivered."""
         assert isinstance(self.table, ModelTable)
         return (bytes(self.ring.mm), repr(sorted(vars(self.table).items())), self.consumer, tuple(self.workers),
-                tuple(self.heads), tuple(self.delivered), tuple(sorted(self.bases)), self.deepen)
+                tuple(self.heads), tuple(self.delivered), tuple(sorted(self.bases)), self.deepen, self.bell)

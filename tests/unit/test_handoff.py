@@ -17,26 +17,43 @@ from shmloader import _native
 from shmloader.main.scheduler import Scheduler
 from shmloader.wire.layout import RingGeometry
 from shmloader.wire.ring import Ring
-from tests.slot_model import FINISHED, LOOK, POST, RUN, TAKE, WRITE, Handoff, ModelTable, same
+from tests.slot_model import (
+    ARM,
+    DRAIN,
+    FINISHED,
+    FLAG,
+    LOOK,
+    PEEK,
+    POST,
+    RING,
+    RINGING,
+    RUN,
+    TAKE,
+    WRITE,
+    Handoff,
+    ModelTable,
+    same,
+)
 
 DATA = 4096
 
 
-Config = tuple[int, int, int, int, bool, int]  # workers, slots, cap, tasks, in_order, the cap it deepens to (0: none)
+# workers, slots, cap, tasks, in_order, the cap it deepens to (0: none), an ``async for`` consumer
+Config = tuple[int, int, int, int, bool, int, bool]
 
 
 def run(config: Config, path: list[Any]) -> tuple[Handoff, Handoff]:
     """The native and the model runs after ``path`` (who moved, in turn), checked alike at its end.
     The caller closes their rings."""
-    workers, slots, cap, tasks, in_order, deepen = config
+    workers, slots, cap, tasks, in_order, deepen, bell = config
     geometry = RingGeometry(num_workers=workers, num_slots=slots, data_bytes=DATA)
     native_ring, model_ring = Ring(geometry), Ring(geometry)
     native = Scheduler(slots, workers, cap, in_order=in_order)
     native.attach(native_ring.mm, native_ring.header_offsets, native_ring.data_offsets, native_ring.data_bytes,
                   native_ring.queue_offsets, native_ring.queue_len, tuple(native_ring.task_sems),
                   native_ring.ready_sem)
-    runs = (Handoff(native, native_ring, tasks, deepen),
-            Handoff(ModelTable(slots, workers, cap, in_order=in_order), model_ring, tasks, deepen))
+    runs = (Handoff(native, native_ring, tasks, deepen, bell),
+            Handoff(ModelTable(slots, workers, cap, in_order=in_order), model_ring, tasks, deepen, bell))
     for who in path:
         for r in runs:
             r.move(who)
@@ -44,7 +61,7 @@ def run(config: Config, path: list[Any]) -> tuple[Handoff, Handoff]:
     assert isinstance(a.table, Scheduler) and isinstance(b.table, ModelTable)
     same(a.table, b.table)
     assert native_ring.mm[:] == model_ring.mm[:]
-    assert (a.consumer, a.workers, a.heads, a.delivered) == (b.consumer, b.workers, b.heads, b.delivered)
+    assert (a.consumer, a.workers, a.heads, a.delivered, a.bell) == (b.consumer, b.workers, b.heads, b.delivered, b.bell)
     return runs
 
 
@@ -77,16 +94,19 @@ def explore(config: Config) -> int:
 
 
 @pytest.mark.parametrize("config", [
-    (1, 2, 1, 4, True, 0),  # one worker, one task at a time
-    (2, 3, 2, 3, True, 0),  # torch's shape: two workers, a slot more than the tasks
-    (2, 3, 2, 4, False, 0),
-    (2, 2, 2, 4, True, 0),  # as many tasks as slots: the step's take frees the slot it refills
-    (2, 5, 4, 5, True, 0),  # deeper than the workers' turn: tasks queue up
-    (3, 4, 3, 4, True, 0),
-    (2, 5, 2, 4, True, 4),  # the depth grows mid-epoch, at any point (Scheduler.set_cap)
-    (2, 5, 2, 4, False, 4),
+    (1, 2, 1, 4, True, 0, False),  # one worker, one task at a time
+    (2, 3, 2, 3, True, 0, False),  # torch's shape: two workers, a slot more than the tasks
+    (2, 3, 2, 4, False, 0, False),
+    (2, 2, 2, 4, True, 0, False),  # as many tasks as slots: the step's take frees the slot it refills
+    (2, 5, 4, 5, True, 0, False),  # deeper than the workers' turn: tasks queue up
+    (3, 4, 3, 4, True, 0, False),
+    (2, 5, 2, 4, True, 4, False),  # the depth grows mid-epoch, at any point (Scheduler.set_cap)
+    (2, 5, 2, 4, False, 4, False),
+    (1, 2, 1, 4, True, 0, True),  # an async for: the doorbell, not the semaphore's wait
+    (2, 3, 2, 3, True, 0, True),
+    (2, 3, 2, 4, False, 0, True),
 ], ids=lambda c: f"{c[0]}w-{c[1]}slots-cap{c[2]}{f'-to-{c[5]}' if c[5] else ''}-{c[3]}tasks-"
-                 f"{'in' if c[4] else 'out-of'}-order")
+                 f"{'in' if c[4] else 'out-of'}-order{'-async' if c[6] else ''}")
 def test_no_interleaving_loses_a_wake_up(config: Config) -> None:
     assert explore(config) > 60  # (every state the protocol allows, each reached on both tables)
 
@@ -105,7 +125,7 @@ def test_a_token_dropped_instead_of_banked_is_a_lost_wake_up(monkeypatch: pytest
 
     monkeypatch.setattr(Handoff, "_consumer", forgets)
     with pytest.raises(AssertionError, match=r"a lost wake-up: nobody can move after .* \(asleep, \['asleep', 'asleep'\]\)"):
-        explore((2, 3, 2, 3, True, 0))
+        explore((2, 3, 2, 3, True, 0, False))
 
 
 def test_a_token_posted_before_done_is_a_lost_wake_up(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -127,4 +147,54 @@ def test_a_token_posted_before_done_is_a_lost_wake_up(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(Handoff, "_worker", posts_first)
     with pytest.raises(AssertionError, match=r"a lost wake-up"):
-        explore((2, 3, 2, 3, True, 0))
+        explore((2, 3, 2, 3, True, 0, False))
+
+
+def test_a_doorbell_drained_after_the_last_look_is_a_lost_wake_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An async for that looks for a token before it drains the doorbell: a worker may post and
+    # ring between the look and the drain, and the drain swallows the only ring.
+    def peeks_first(self: Handoff) -> None:
+        ring = self.ring
+        if self.consumer == ARM:
+            ring.want_doorbell(True)
+            self.consumer = PEEK
+        elif self.consumer == PEEK:
+            if _native.sem_wait(ring.mm, ring.ready_sem, 0):
+                ring.want_doorbell(False)
+                self.table.bank_token()
+                self.consumer = RUN
+            else:
+                self.consumer = DRAIN
+        elif self.consumer == DRAIN:
+            self.bell = 0
+            self.consumer = RINGING
+        else:
+            ring.want_doorbell(False)
+            self.consumer = RUN
+
+    monkeypatch.setattr(Handoff, "_async_wait", peeks_first)
+    with pytest.raises(AssertionError, match=r"a lost wake-up: nobody can move after .* \(ringing, "):
+        explore((2, 3, 2, 3, True, 0, True))
+
+
+def test_a_flag_read_before_the_post_is_a_lost_wake_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A worker that reads the doorbell flag before it posts its token (no fence between them, as
+    # a store-load reordering would have it): it sees no waiter, the consumer arms, drains and
+    # looks before the token comes, and nobody rings.
+    real = Handoff._worker
+
+    def reads_first(self: Handoff, w: int) -> None:
+        state = self.workers[w]
+        if isinstance(state, tuple) and state[0] == POST:
+            ring = self.ring
+            flag = int.from_bytes(ring.mm[ring.doorbell_flag:ring.doorbell_flag + 8], "little")
+            self.workers[w] = (FLAG, state[1], flag)
+        elif isinstance(state, tuple) and state[0] == FLAG:
+            _native.sem_post(self.ring.mm, self.ring.ready_sem)
+            self.workers[w] = (RING, state[1]) if state[2] else TAKE
+        else:
+            real(self, w)
+
+    monkeypatch.setattr(Handoff, "_worker", reads_first)
+    with pytest.raises(AssertionError, match=r"a lost wake-up: nobody can move after .* \(ringing, "):
+        explore((2, 3, 2, 3, True, 0, True))
