@@ -17,6 +17,13 @@ wait for a worker's whole queue (p99 ~100 µs against ~30). Beside CPU-bound nei
 is a scheduler's, often a time slice: so the depth grows only while the mean blocked wait is
 ``WAIT_NS`` at least. Windows last ``WINDOW`` batches and ``SPAN_NS`` at least, so that their
 means are not one scheduler tick's.
+
+The ring is made for the deepest the depth may grow to (``ring_prefetch``), so growing it is
+one number in the scheduler (``Scheduler.set_cap``): no new ring, no drain. Small batches only:
+that ring holds at most ``RING_BYTES`` of slots, and it stays within ``memory_budget``
+(``budget.plan_ring`` gives fewer slots); batches too large for a deeper ring in that room keep
+torch's default, and so never more memory than torch's loader. Batches, their order and
+checkpoints do not depend on the depth: it only says how far ahead the sampler is drawn.
 """
 
 from __future__ import annotations
