@@ -42,6 +42,12 @@
 #define REGION_PIPE 2
 #define REGION_LEAVES 3 /* leaves in the overflow memory; skeleton, leaf table, state in the slot */
 
+/* The awaited word (shmloader/wire/layout.py, RingGeometry.awaited): which result a sleeping
+   synchronous consumer waits for. AWAIT_NONE: it does not sleep; AWAIT_ANY: any result wakes
+   it; otherwise the result's seq + 1 (a fresh segment's zeros read as AWAIT_NONE). */
+#define AWAIT_NONE 0
+#define AWAIT_ANY (-1)
+
 /* A slot as the consumer sees it: shmloader/main/scheduler.py's SlotState. */
 enum { SLOT_FREE, SLOT_IN_FLIGHT, SLOT_WAITING, SLOT_READY, SLOT_LENT, N_SLOT_STATES };
 
@@ -51,6 +57,6 @@ enum { SLOT_FREE, SLOT_IN_FLIGHT, SLOT_WAITING, SLOT_READY, SLOT_LENT, N_SLOT_ST
     X(F_PICKLED_OFF) X(F_PICKLED_LEN) X(F_NEEDED) X(F_R_EPOCH) X(F_R_SEQ) X(F_DATASET_STATE_OFF)                   \
     X(F_DATASET_STATE_LEN) X(F_REGION) X(F_OWN) X(N_HEADER_FIELDS) X(STATE_IDLE) X(STATE_DONE) X(STATUS_OK)                  \
     X(STATUS_NEED_MEMORY) X(REGION_SLOT) X(REGION_OVERFLOW) X(REGION_PIPE) X(REGION_LEAVES) X(SLOT_FREE) X(SLOT_IN_FLIGHT)           \
-    X(SLOT_WAITING) X(SLOT_READY) X(SLOT_LENT)
+    X(SLOT_WAITING) X(SLOT_READY) X(SLOT_LENT) X(AWAIT_NONE) X(AWAIT_ANY)
 
 #endif

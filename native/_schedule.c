@@ -1022,6 +1022,22 @@ static PyObject *m_bank_token(Scheduler *t, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(awaited_doc, "awaited($self, /)\n--\n\n"
+"(slot, seq) of the one result whose publication must wake a consumer that sleeps now, or None:\n"
+"any may (then any wakes it). In order, the next result to take, when its task is in flight and\n"
+"nothing else asks the consumer first: no slot waits for overflow memory, no past epoch's task\n"
+"is out (its slot may be the one the next task needs), no task waits to go over a connection.");
+
+static PyObject *m_awaited(Scheduler *t, PyObject *unused) {
+    if (t->in_order && !t->waiting_count && !PyList_GET_SIZE(t->unposted) && t->n_tasks == t->outstanding + t->n_ready)
+        for (Py_ssize_t s = t->head; s != NIL; s = t->next[s])
+            if (t->seq[s] == t->rcvd_seq) {
+                if (t->state[s] != SLOT_IN_FLIGHT) break;
+                return Py_BuildValue("(nL)", s, (long long)t->seq[s]);
+            }
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(skip_result_doc, "skip_result($self, seq, /)\n--\n\n"
 "Result `seq` was taken outside the step (the first batch's probe, which ended its shard or\n"
 "failed): results go on with seq + 1.");
@@ -1076,6 +1092,7 @@ static PyObject *m_start_round_robin_at(Scheduler *t, PyObject *arg) {
 
 static PyMethodDef scheduler_methods[] = {
     {"bank_token", (PyCFunction)m_bank_token, METH_NOARGS, bank_token_doc},
+    {"awaited", (PyCFunction)m_awaited, METH_NOARGS, awaited_doc},
     {"skip_result", (PyCFunction)m_skip_result, METH_O, skip_result_doc},
     {"set_own", (PyCFunction)m_set_own, METH_O, set_own_doc},
     {"set_cap", (PyCFunction)m_set_cap, METH_O, set_cap_doc},

@@ -390,18 +390,21 @@ static PyObject *py_post_task(PyObject *self, PyObject *const *args, Py_ssize_t 
 }
 
 PyDoc_STRVAR(publish_doc,
-"publish($module, buffer, header, first, fields, state, done, sem, flag, /)\n--\n\n"
+"publish($module, buffer, header, first, fields, state, done, sem, flag, seq, awaited, wake, /)\n--\n\n"
 "Publish a slot's result in one call: store the int64 values of `fields` at the header's\n"
 "fields first, first+1, ...; store `done` at buffer[state] with release ordering; post the\n"
-"semaphore at buffer[sem]; then return the int64 at buffer[flag], read after a full fence\n"
-"(nonzero: an asynchronous consumer waits and wants its doorbell rung).");
+"semaphore at buffer[sem]; then, after a full fence, read the int64 at buffer[awaited] and post\n"
+"the semaphore at buffer[wake] when it names this result (`seq` + 1) or any (AWAIT_ANY): a\n"
+"sleeping consumer is woken by the result it waits for, not by every one; and return the int64\n"
+"at buffer[flag] (nonzero: an asynchronous consumer waits and wants its doorbell rung).");
 
 static PyObject *py_publish(PyObject *self, PyObject *args) {
     PyObject *buffer, *fields;
-    Py_ssize_t header, first, state, sem_off, flag;
-    long long done;
+    Py_ssize_t header, first, state, sem_off, flag, awaited_off, wake_off;
+    long long done, result_seq;
     Py_buffer view;
-    if (!PyArg_ParseTuple(args, "OnnOnLnn", &buffer, &header, &first, &fields, &state, &done, &sem_off, &flag))
+    if (!PyArg_ParseTuple(args, "OnnOnLnnLnn", &buffer, &header, &first, &fields, &state, &done, &sem_off, &flag,
+                          &result_seq, &awaited_off, &wake_off))
         return NULL;
     if (header < 0 || first < 0 || first > (PY_SSIZE_T_MAX - 8) / 8 || header > PY_SSIZE_T_MAX - first * 8) {
         PyErr_Format(PyExc_ValueError, "publish: field %zd of the header at %zd is not a field of it", first, header);
@@ -413,7 +416,8 @@ static PyObject *py_publish(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     char *h = at(buffer, &view, header + first * 8, n * 8, 8);
     if (h == NULL) goto done;
-    if (!fits(&view, state, 8) || !fits(&view, sem_off, SEM_STRIDE) || !fits(&view, flag, 8)) {
+    if (!fits(&view, state, 8) || !fits(&view, sem_off, SEM_STRIDE) || !fits(&view, flag, 8) ||
+        !fits(&view, awaited_off, 8) || !fits(&view, wake_off, SEM_STRIDE)) {
         PyErr_SetString(PyExc_ValueError, "publish: an offset lies outside the buffer or is misaligned");
         goto release;
     }
@@ -424,6 +428,12 @@ static PyObject *py_publish(PyObject *self, PyObject *args) {
         goto release;
     }
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    int64_t awaited = __atomic_load_n((int64_t *)((char *)view.buf + awaited_off), __ATOMIC_RELAXED);
+    if ((awaited == AWAIT_ANY || (awaited != AWAIT_NONE && awaited == (int64_t)result_seq + 1)) &&
+        sem_post((sem_t *)((char *)view.buf + wake_off)) != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto release;
+    }
     result = PyLong_FromLongLong(__atomic_load_n((int64_t *)((char *)view.buf + flag), __ATOMIC_RELAXED));
 release:
     PyBuffer_Release(&view);

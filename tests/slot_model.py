@@ -6,11 +6,12 @@ implementation: nothing in shmloader uses it."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from shmloader import _native
 from shmloader.main.scheduler import Scheduler, SlotState, Step, Task
-from shmloader.wire.layout import DONE, Field, Region, Status
+from shmloader.wire.layout import AWAIT_ANY, AWAIT_NONE, DONE, Field, Region, Status
 from shmloader.wire.ring import POSTED, Ring
 
 FREE, IN_FLIGHT, WAITING, READY, LENT = (SlotState.FREE, SlotState.IN_FLIGHT, SlotState.WAITING, SlotState.READY,
@@ -34,6 +35,19 @@ class ModelTable:
 
     def set_cap(self, cap: int) -> None:
         self.cap = cap
+
+    def awaited(self) -> tuple[int, int] | None:
+        """(slot, seq) of the one result whose publication must wake a consumer that sleeps now,
+        or None (any may): in order, the next to take, when its task is in flight and nothing
+        else may need the consumer first (a slot waiting for memory, a past epoch's task, a task
+        unposted)."""
+        if (not self.in_order or self.waiting_count or self.unposted
+                or any(t.epoch != self.epoch for s, t in self.tasks.items() if self.state[s] is not READY)):
+            return None
+        for slot, task in self.tasks.items():
+            if task.seq == self.rcvd_seq:
+                return (slot, task.seq) if self.state[slot] is IN_FLIGHT else None
+        return None
 
     def bank_token(self) -> None:
         self.banked += 1
@@ -244,12 +258,18 @@ def same(native: Scheduler, model: ModelTable) -> None:
     assert (list(native.active), native.rr, native.send_seq, native.rcvd_seq, native.banked,
             native.exhausted, native.epoch) == (model.active, model.rr, model.send_seq, model.rcvd_seq,
                                                    model.banked, model.exhausted, model.epoch)
+    assert native.awaited() == model.awaited()
 
 
 # ------------------------------------------------------------------ the hand-offs
-RUN, LOOK, ASLEEP, FINISHED = "run", "look", "asleep", "finished"  # the consumer's (ASLEEP a worker's too)
-ARM, DRAIN, PEEK, RINGING = "arm", "drain", "peek", "ringing"  # an ``async for`` consumer's, in place of LOOK, ASLEEP
+RUN, LOOK, AWAIT, LAST, ASLEEP, FINISHED = "run", "look", "await", "last", "asleep", "finished"  # the consumer's (ASLEEP a worker's too)
+ARM, DRAIN, PEEK, RINGING = "arm", "drain", "peek", "ringing"  # an ``async for`` consumer's, in place of AWAIT..ASLEEP
 TAKE, WRITE, POST, FLAG, RING = "take", "write", "post", "flag", "ring"  # a worker's other states
+
+
+def word(ring: Ring, offset: int) -> int:
+    """The int64 at ``offset`` of the ring."""
+    return int.from_bytes(ring.mm[offset:offset + 8], "little", signed=True)
 
 
 def tokens(ring: Ring, sem: int) -> int:
@@ -271,8 +291,14 @@ class Handoff:
     The consumer RUNs the step (collect, dispatch, take); the user drops each batch before the
     next step. After a step that found nothing, a move of its own (others may move between the
     two: the window a lost wake-up would hide in), it LOOKs: a token of the ready semaphore, if
-    there is one (a yield's hit), is banked and it runs again; without one it goes ASLEEP (that
-    look and the sleep are one: a semaphore's wait), and when woken takes and banks the token.
+    there is one (a yield's hit), is banked and it runs again. Without one it sleeps as
+    ``main.wait.Waiter._block`` does: it AWAITs (takes the wake semaphore's stale tokens and names
+    the result it waits for in the awaited word: the table's ``awaited()``, fenced), looks a
+    LAST time for a ready token or for the named result's DONE (either way a token is banked, the
+    word cleared, and it runs again: the result may have been published before the word was
+    named, its token matched with another DONE slot), and
+    without one goes ASLEEP on the wake semaphore (that look and the sleep are one); woken, it
+    takes the wake token, clears the word and runs again (the step takes the ready tokens).
     The epoch's end (exhausted, nothing outstanding or ready) is FINISHED. The depth may grow
     once, at any point: ``deepen`` (another cap, as ``Scheduler.set_cap``), a move of its own.
 
@@ -284,10 +310,11 @@ class Handoff:
 
     A worker TAKEs a token of its task semaphore and its queue's next entry (or goes ASLEEP),
     WRITEs its task's result (the result fields, then STATE = DONE with a release store), then
-    POSTs a token on the ready semaphore (``_native.publish``'s order; two moves here, so that
-    the consumer may look between them), and takes again. With ``bell``, after the post it
-    reads the doorbell FLAG (after a full fence) and, when set, RINGs the doorbell: each a move
-    of its own (``worker.loop``'s write comes after ``publish`` returns).
+    POSTs a token on the ready semaphore (``_native.publish``'s order; each a move here, so that
+    the consumer may look between them), reads the awaited word and the doorbell FLAG (after a
+    full fence) and posts the wake semaphore when the word names its result, RINGs the
+    doorbell when the flag is set (``worker.loop``'s write comes after ``publish`` returns), and
+    takes again.
 
     A lost wake-up is a state where no process can move while the consumer is not FINISHED."""
 
@@ -303,13 +330,14 @@ class Handoff:
         self.deepen = deepen  # the cap the depth grows to (0: it does not)
         self.async_for = bell  # the consumer waits on the doorbell (``async for``), not the semaphore
         self.bell = 0  # the doorbell eventfd's count
+        self.awaiting: tuple[int, int] | None = None  # (slot, seq) the sync consumer named, until its last look
 
     def movers(self) -> list[str | int]:
         """Who can move now: "consumer", "depth" and worker ids."""
         ring = self.ring
         who: list[str | int] = []
-        if (self.consumer in (RUN, LOOK, ARM, DRAIN, PEEK) or (self.consumer == ASLEEP and tokens(ring, ring.ready_sem))
-                or (self.consumer == RINGING and self.bell)):
+        if (self.consumer in (RUN, LOOK, AWAIT, LAST, ARM, DRAIN, PEEK)
+                or (self.consumer == ASLEEP and tokens(ring, ring.wake_sem)) or (self.consumer == RINGING and self.bell)):
             who.append("consumer")
         if self.deepen and self.consumer != FINISHED:
             who.append("depth")
@@ -339,17 +367,15 @@ class Handoff:
         if self.consumer in (ARM, DRAIN, PEEK, RINGING):
             self._async_wait()
             return
-        if self.consumer == ASLEEP:  # woken: the token is its own
-            assert _native.sem_wait(ring.mm, ring.ready_sem, 0)
-            table.bank_token()
-            self.consumer = RUN
+        if self.consumer in (AWAIT, LAST, ASLEEP):
+            self._sleep()
             return
         if self.consumer == LOOK:
             if _native.sem_wait(ring.mm, ring.ready_sem, 0):  # a token came while it yielded
                 table.bank_token()
                 self.consumer = RUN
             else:
-                self.consumer = ASLEEP
+                self.consumer = AWAIT
             return
         got = self._step()
         if got >= 0:
@@ -362,6 +388,26 @@ class Handoff:
             self.consumer = FINISHED
         else:
             self.consumer = ARM if self.async_for else LOOK
+
+    def _sleep(self) -> None:
+        """One move of a sync ``next()``'s sleep (``Waiter._block``'s order, through the ring's
+        ``await_result``, ``take_ready`` and ``sleep_awaited``)."""
+        ring = self.ring
+        if self.consumer == AWAIT:  # (one move: a publisher between the two only leaves a stale wake token)
+            self.awaiting = self.table.awaited()
+            ring.await_result(None if self.awaiting is None else self.awaiting[1])
+            self.consumer = LAST
+        elif self.consumer == LAST:
+            awaiting, self.awaiting = self.awaiting, None
+            if ring.take_ready(0) or (awaiting is not None and ring.published(awaiting[0])):
+                ring.stop_awaiting()
+                self.table.bank_token()
+                self.consumer = RUN
+            else:
+                self.consumer = ASLEEP
+        else:  # ASLEEP, and the wake semaphore has a token: it wakes
+            assert ring.sleep_awaited(0)
+            self.consumer = RUN
 
     def _async_wait(self) -> None:
         """One move of an ``async for``'s wait for a batch (``Waiter._wait``'s order)."""
@@ -403,9 +449,11 @@ class Handoff:
             self.workers[w] = (POST, slot)
         elif state[0] == POST:
             _native.sem_post(ring.mm, ring.ready_sem)
-            self.workers[w] = (FLAG, state[1]) if self.async_for else TAKE  # (no flag set without one)
-        elif state[0] == FLAG:
-            flag = int.from_bytes(ring.mm[ring.doorbell_flag:ring.doorbell_flag + 8], "little")
+            self.workers[w] = (FLAG, state[1])
+        elif state[0] == FLAG:  # (the read and the wake's post one move: a worker in between can always move on)
+            awaited, flag = word(ring, ring.awaited), word(ring, ring.doorbell_flag)
+            if awaited == AWAIT_ANY or (awaited != AWAIT_NONE and awaited == ring.headers[state[1]][Field.R_SEQ] + 1):
+                _native.sem_post(ring.mm, ring.wake_sem)
             self.workers[w] = (RING, state[1]) if flag else TAKE
         else:
             self.bell += 1
@@ -416,4 +464,19 @@ class Handoff:
         table, every process and what was delivered."""
         assert isinstance(self.table, ModelTable)
         return (bytes(self.ring.mm), repr(sorted(vars(self.table).items())), self.consumer, tuple(self.workers),
-                tuple(self.heads), tuple(self.delivered), tuple(sorted(self.bases)), self.deepen, self.bell)
+                tuple(self.heads), tuple(self.delivered), tuple(sorted(self.bases)), self.deepen, self.bell,
+                self.awaiting)
+
+    def snapshot(self) -> tuple[Any, ...]:
+        """Everything a move may change (for a ModelTable's run), to go back to with ``restore``."""
+        assert isinstance(self.table, ModelTable)
+        return (bytes(self.ring.mm), copy.deepcopy(self.table), copy.copy(self.sampler), self.consumer,
+                list(self.workers), list(self.heads), list(self.delivered), dict(self.bases), self.deepen, self.bell,
+                self.awaiting)
+
+    def restore(self, snapshot: tuple[Any, ...]) -> None:
+        (mm, table, sampler, self.consumer, workers, heads, delivered, bases, self.deepen, self.bell,
+         self.awaiting) = snapshot
+        self.ring.mm[:] = mm
+        self.table, self.sampler = copy.deepcopy(table), copy.copy(sampler)
+        self.workers, self.heads, self.delivered, self.bases = list(workers), list(heads), list(delivered), dict(bases)

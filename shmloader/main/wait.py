@@ -4,9 +4,11 @@ The iterator's steps (``main.iterator``) never wait themselves: they yield a *wa
 are resumed once it is fulfilled. This module fulfils the three kinds, two ways:
 
 - ``Ready(scope)``: a published slot of the scope's ring. Sync: yield the CPU and look again a few times
-  (``YieldWait``), then check the workers and the timeout, then sleep on the ready semaphore
-  for at most ``CHECK_S``. Async: the doorbell eventfd (workers write it while the doorbell
-  flag in the segment is set) and the workers' process sentinels, on the running event loop.
+  (``YieldWait``), then check the workers and the timeout, then sleep on the wake semaphore
+  for at most ``CHECK_S``, woken by the result the awaited word names (in order, the next one
+  the loop takes: a batch published ahead of it wakes nobody). Async: the doorbell eventfd
+  (workers write it while the doorbell flag in the segment is set) and the workers' process
+  sentinels, on the running event loop.
 - ``Copy(scope)``: the oldest device copy out of the scope's ring. Sync: its CUDA event,
   synchronized. Async: its event queried from the loop at growing intervals.
 - ``Conns(workers)``: a message on those workers' connections (start-up, a grown ring).
@@ -75,7 +77,7 @@ class Waiter:
     def __init__(self, life: Lifecycle, counters: Counters) -> None:
         self.life = life
         self.counters = counters
-        self.yields = YieldWait()  # a sync next()'s, before it sleeps on the ready semaphore
+        self.yields = YieldWait()  # a sync next()'s, before it sleeps on the wake semaphore
 
     # ----------------------------------------------------------------- sync
     def block(self, request: Request, check: Callable[[], None], deadline: float | None) -> None:
@@ -97,8 +99,15 @@ class Waiter:
                 scope.sched.bank_token()
                 return
             check()  # only before sleeping: a batch that came while yielding needs no waitpid
-            if ring.take_ready(self.sleep_s(deadline)):  # a signal's handler (Ctrl-C) raises through it
+            awaited = scope.sched.awaited()  # (slot, seq), or None: any result
+            ring.await_result(None if awaited is None else awaited[1])  # before the last look: later publishers see it
+            # The last look: a token, or the named result already DONE (published before it was
+            # named, its token matched with another DONE slot): either way the step looks again.
+            if ring.take_ready(0) or (awaited is not None and ring.published(awaited[0])):
+                ring.stop_awaiting()
                 scope.sched.bank_token()
+                return
+            ring.sleep_awaited(self.sleep_s(deadline))  # a signal's handler (Ctrl-C) raises through it
             return
         pool = self.life.pool
         mp_connection.wait([pool.conns[w] for w in request.workers] + pool.sentinels, self.sleep_s(deadline))

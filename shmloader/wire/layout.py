@@ -3,14 +3,16 @@
 Segment::
 
     [control page(s)]  semaphores (ready, then one task semaphore per worker; process-shared,
-                       SEM_STRIDE bytes each), the doorbell word (SEM_STRIDE bytes), per-worker
-                       task queues, per-worker counters (int64), page aligned
+                       SEM_STRIDE bytes each), the doorbell word, the wake semaphore and the
+                       awaited word (SEM_STRIDE bytes each), per-worker task queues, per-worker
+                       counters (int64), page aligned
     [slot 0]           header page | data region
     [slot 1]           ...
 
 A slot's header page is an int64 array whose fields are named below. The main
 process writes the task fields, the worker writes the result fields and sets
-``STATE`` to ``DONE`` last, then posts the ready semaphore. The task payload
+``STATE`` to ``DONE`` last, then posts the ready semaphore (and the wake semaphore, when
+the awaited word names that result). The task payload
 (pickled indices) sits at the start of the data region; the worker reads it
 before it writes the batch over it. The batch's leaves come first in the data
 region, 64-byte aligned; then, 8-byte aligned each, the pickled skeleton (or a pickled
@@ -127,6 +129,10 @@ _agree("the statuses", (Status.OK, Status.NEED_MEMORY),
 _agree("the regions", {f"REGION_{r.name}": int(r) for r in Region},
        {name: value for name, value in _native.LAYOUT.items() if name.startswith("REGION_")})
 
+# The awaited word's values (``RingGeometry.awaited``); a result's seq s reads as s + 1.
+AWAIT_NONE: Final = _native.LAYOUT["AWAIT_NONE"]  # the consumer does not sleep (a fresh segment's 0)
+AWAIT_ANY: Final = _native.LAYOUT["AWAIT_ANY"]  # any result wakes it
+
 
 class Kind(enum.IntEnum):
     TENSOR = 0
@@ -226,15 +232,28 @@ class RingGeometry:
 
     @property
     def sems_bytes(self) -> int:
-        """The semaphores and the doorbell word, each in SEM_STRIDE bytes of its own."""
-        return (2 + self.num_workers) * SEM_STRIDE
+        """The semaphores and the two words, each in SEM_STRIDE bytes of its own."""
+        return (4 + self.num_workers) * SEM_STRIDE
 
     @property
     def doorbell_flag(self) -> int:
         """Offset of the doorbell word: nonzero while an ``async for`` consumer waits, so a
         worker that publishes writes the eventfd doorbell only then (a synchronous consumer
-        waits on the ready semaphore alone)."""
+        waits on the wake semaphore)."""
         return (1 + self.num_workers) * SEM_STRIDE
+
+    @property
+    def wake_sem(self) -> int:
+        """Offset of the wake semaphore, the one a synchronous consumer sleeps on: a worker posts
+        it after publishing a result that the awaited word names."""
+        return (2 + self.num_workers) * SEM_STRIDE
+
+    @property
+    def awaited(self) -> int:
+        """Offset of the awaited word: AWAIT_NONE, AWAIT_ANY, or the seq + 1 of the one result
+        that wakes a sleeping synchronous consumer (in order, the next it takes). Results it
+        does not name post the ready semaphore alone, and wake nobody."""
+        return (3 + self.num_workers) * SEM_STRIDE
 
     @property
     def control_bytes(self) -> int:

@@ -20,10 +20,11 @@ import numpy as np
 
 from shmloader import _native
 from shmloader.wire import shm as _shm
-from shmloader.wire.layout import DONE, N_COUNTERS, N_FIELDS, Field, RingGeometry
+from shmloader.wire.layout import AWAIT_ANY, AWAIT_NONE, DONE, N_COUNTERS, N_FIELDS, Field, RingGeometry
 
 # What _native.post_task (and the scheduler's post_index) returns.
 POSTED, DOES_NOT_FIT, NOT_INTS = 1, 0, -1
+_R_SEQ = Field.R_SEQ - Field.STATUS  # the result's seq among a publication's fields (from STATUS on)
 
 
 class YieldWait:
@@ -148,6 +149,7 @@ class _Views:
         self.task_sems = [geometry.task_sem(w) for w in range(geometry.num_workers)]
         self.ready_sem = geometry.ready_sem
         self.doorbell_flag = geometry.doorbell_flag
+        self.wake_sem, self.awaited = geometry.wake_sem, geometry.awaited
         self.queue_len = geometry.queue_len
         self.data_bytes = geometry.data_bytes
         # Headers, queues and counters as int64 memoryviews: an item reads as a plain int (a
@@ -163,6 +165,31 @@ class _Views:
     def take_ready(self, timeout: float) -> bool:
         """One token of the ready semaphore: at once (``timeout`` 0) or within ``timeout`` s."""
         return _native.sem_wait(self.mm, self.ready_sem, timeout)
+
+    def await_result(self, seq: int | None) -> None:
+        """Name the result a synchronous wait will sleep for (its ``seq``; None: any), after
+        taking the wake semaphore's stale tokens. Fenced: set before the consumer's last look
+        (the ready semaphore, the named slot's STATE), it is seen by every publisher that stores
+        DONE after that look, and the one it names posts the wake semaphore."""
+        while _native.sem_wait(self.mm, self.wake_sem, 0):
+            pass
+        _native.store_fenced(self.mm, self.awaited, AWAIT_ANY if seq is None else seq + 1)
+
+    def published(self, slot: int) -> bool:
+        """Whether ``slot``'s STATE is DONE (an acquire load)."""
+        return _native.load_acquire(self.mm, self.state_offsets[slot]) == DONE
+
+    def sleep_awaited(self, timeout: float) -> bool:
+        """Sleep until the awaited result's publisher wakes this process, for at most
+        ``timeout`` s; then nothing is awaited. Whether it was woken."""
+        try:
+            return _native.sem_wait(self.mm, self.wake_sem, timeout)
+        finally:
+            self.stop_awaiting()
+
+    def stop_awaiting(self) -> None:
+        """Nothing is awaited: publishers post the ready semaphore alone."""
+        _native.store_release(self.mm, self.awaited, AWAIT_NONE)
 
     def want_doorbell(self, on: bool) -> None:
         """Ask workers to write the eventfd doorbell when they publish (an ``async for`` is about
@@ -180,7 +207,8 @@ class Ring(_Views):
         self._name_linked = self.segment is not None
         try:
             self.unlink()  # the fd is all that workers need: nothing can be left in /dev/shm from here on
-            for offset in [geometry.ready_sem, *(geometry.task_sem(w) for w in range(geometry.num_workers))]:
+            for offset in [geometry.ready_sem, geometry.wake_sem,
+                           *(geometry.task_sem(w) for w in range(geometry.num_workers))]:
                 _native.sem_init(mm, offset)
         except BaseException:
             self.close()
@@ -247,10 +275,12 @@ class AttachedRing(_Views):
 
     def publish(self, slot: int, results: tuple[int, ...]) -> bool:
         """Store a slot's result fields (``results``: the header from STATUS on, in field
-        order), set it DONE with release ordering and post the ready semaphore: one native
-        call. Returns whether an ``async for`` consumer waits for the doorbell."""
+        order), set it DONE with release ordering, post the ready semaphore, and the wake
+        semaphore if the awaited word names this result: one native call. Returns whether an
+        ``async for`` consumer waits for the doorbell."""
         return bool(_native.publish(self.mm, self.header_offsets[slot], Field.STATUS, results, self.state_offsets[slot],
-                                    DONE, self.ready_sem, self.doorbell_flag))
+                                    DONE, self.ready_sem, self.doorbell_flag, results[_R_SEQ], self.awaited,
+                                    self.wake_sem))
 
     def take_task(self, timeout: float) -> None | int | tuple[int, int, int, Any, bool]:
         """The next task queued for this worker: (slot, epoch, seq, index, own), where index is the

@@ -1,5 +1,5 @@
-"""The native synchronisation in the segment (native/_sync.c): process-shared semaphores and
-release/acquire publication."""
+"""The native synchronisation in the segment (native/_sync.c): process-shared semaphores,
+release/acquire publication, and the wake a publication posts for a sleeping consumer."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from shmloader import _native
+from shmloader.wire.layout import Region, RingGeometry, Status
+from shmloader.wire.ring import AttachedRing, Ring
 
 
 def test_semaphore_counts_times_out_and_wakes_a_waiter() -> None:
@@ -111,3 +113,33 @@ def test_offsets_outside_the_buffer_or_misaligned_are_refused(call: object) -> N
 def test_a_read_only_buffer_is_refused() -> None:
     with pytest.raises(BufferError):
         _native.sem_post(b"\0" * 64, 0)
+
+
+def test_a_publication_posts_the_wake_semaphore_only_for_the_result_awaited() -> None:
+    # The ready semaphore gets a token per publication; the wake semaphore, which a sleeping
+    # sync next() waits on, only when the awaited word names the result (its seq) or any.
+    geometry = RingGeometry(num_workers=1, num_slots=3, data_bytes=4096)
+    ring = Ring(geometry)
+    worker = AttachedRing(geometry, ring.mm, 0)
+
+    def publish(slot: int, seq: int) -> tuple[bool, bool]:
+        """(a ready token came, a wake token came)"""
+        worker.publish(slot, (Status.OK, 0, 0, 0, 0, 0, 0, 0, seq, 0, 0, Region.SLOT))
+        return ring.take_ready(0), _native.sem_wait(ring.mm, ring.wake_sem, 0)
+
+    try:
+        assert publish(0, 0) == (True, False)  # nothing awaited: a fresh segment's word
+        ring.await_result(2)
+        assert publish(1, 1) == (True, False)  # a batch ahead of the one awaited wakes nobody
+        assert publish(2, 2) == (True, True)
+        ring.await_result(None)
+        assert publish(0, 7) == (True, True)  # any
+        ring.stop_awaiting()
+        assert publish(1, 8) == (True, False)
+        ring.await_result(None)
+        worker.publish(2, (Status.OK, 0, 0, 0, 0, 0, 0, 0, 9, 0, 0, Region.SLOT))  # its wake token left behind
+        ring.await_result(3)  # takes it: a stale token never ends the next sleep
+        assert ring.sleep_awaited(0) is False
+        assert publish(2, 3) == (True, False)  # sleep_awaited cleared the word
+    finally:
+        ring.close()
