@@ -294,9 +294,9 @@ class Handoff:
     there is one (a yield's hit), is banked and it runs again. Without one it sleeps as
     ``main.wait.Waiter._block`` does: it AWAITs (takes the wake semaphore's stale tokens and names
     the result it waits for in the awaited word: the table's ``awaited()``, fenced), looks a
-    LAST time for a ready token or for the named result's DONE (either way a token is banked, the
-    word cleared, and it runs again: the result may have been published before the word was
-    named, its token matched with another DONE slot), and
+    LAST time for the named result's DONE (with none named, for a ready token): either way a
+    token is banked, the word cleared, and it runs again (the result may have been published
+    before the word was named, its token matched with another DONE slot); and
     without one goes ASLEEP on the wake semaphore (that look and the sleep are one); woken, it
     takes the wake token, clears the word and runs again (the step takes the ready tokens).
     The epoch's end (exhausted, nothing outstanding or ready) is FINISHED. The depth may grow
@@ -399,7 +399,7 @@ class Handoff:
             self.consumer = LAST
         elif self.consumer == LAST:
             awaiting, self.awaiting = self.awaiting, None
-            if ring.take_ready(0) or (awaiting is not None and ring.published(awaiting[0])):
+            if ring.published(awaiting[0]) if awaiting is not None else ring.take_ready(0):
                 ring.stop_awaiting()
                 self.table.bank_token()
                 self.consumer = RUN

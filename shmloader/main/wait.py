@@ -101,9 +101,10 @@ class Waiter:
             check()  # only before sleeping: a batch that came while yielding needs no waitpid
             awaited = scope.sched.awaited()  # (slot, seq), or None: any result
             ring.await_result(None if awaited is None else awaited[1])  # before the last look: later publishers see it
-            # The last look: a token, or the named result already DONE (published before it was
-            # named, its token matched with another DONE slot): either way the step looks again.
-            if ring.take_ready(0) or (awaited is not None and ring.published(awaited[0])):
+            # The last look: the named result DONE (published before it was named, perhaps its
+            # token matched with another DONE slot), or with none named a token. Either way the
+            # step looks again; a batch ahead of the named one does not end the wait.
+            if ring.published(awaited[0]) if awaited is not None else ring.take_ready(0):
                 ring.stop_awaiting()
                 scope.sched.bank_token()
                 return
