@@ -1023,10 +1023,11 @@ static PyObject *m_bank_token(Scheduler *t, PyObject *unused) {
 }
 
 PyDoc_STRVAR(awaited_doc, "awaited($self, /)\n--\n\n"
-"(slot, seq) of the one result whose publication must wake a consumer that sleeps now, or None:\n"
-"any may (then any wakes it). In order, the next result to take, when its task is in flight and\n"
-"nothing else asks the consumer first: no slot waits for overflow memory, no past epoch's task\n"
-"is out (its slot may be the one the next task needs), no task waits to go over a connection.");
+"(slot, seq) of the one batch whose publication must wake a consumer that sleeps now, or None:\n"
+"any result may (then any wakes it). In order, the next result to take, when its task is in\n"
+"flight and no other may need the consumer first: no slot waits for overflow memory and no past\n"
+"epoch's task is out (its slot may be the one the next task needs). A result that asks for\n"
+"something (memory, its pipe) wakes the consumer whatever it named (see wanted).");
 
 static PyObject *m_awaited(Scheduler *t, PyObject *unused) {
     if (t->in_order && !t->waiting_count && !PyList_GET_SIZE(t->unposted) && t->n_tasks == t->outstanding + t->n_ready)
@@ -1036,6 +1037,33 @@ static PyObject *m_awaited(Scheduler *t, PyObject *unused) {
                 return Py_BuildValue("(nL)", s, (long long)t->seq[s]);
             }
     Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(wanted_doc, "wanted($self, slot, /)\n--\n\n"
+"The last look of a consumer about to sleep for `slot`'s batch, its name stored and fenced (the\n"
+"ring's await_result): whether a slot in flight is published that the consumer must step for:\n"
+"`slot` itself, or one whose result asks for something (overflow memory, its worker's pipe). A\n"
+"publication after this look sees the name, and wakes the consumer if it is one of those.");
+
+static PyObject *m_wanted(Scheduler *t, PyObject *arg) {
+    Py_ssize_t slot;
+    if (slot_arg(t, arg, &slot) < 0) return NULL;
+    if (t->ring == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "wanted: no ring is attached");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(t->ring, &view, PyBUF_SIMPLE) < 0) return NULL;
+    int found = 0;
+    for (Py_ssize_t s = t->head; s != NIL && !found; s = t->next[s]) {
+        Py_ssize_t h = t->header_off[s];
+        if (t->state[s] != SLOT_IN_FLIGHT ||
+            __atomic_load_n((const int64_t *)((const char *)view.buf + h), __ATOMIC_ACQUIRE) != STATE_DONE)
+            continue;
+        found = s == slot || field(&view, h, F_STATUS) == STATUS_NEED_MEMORY || field(&view, h, F_REGION) == REGION_PIPE;
+    }
+    PyBuffer_Release(&view);
+    return PyBool_FromLong(found);
 }
 
 PyDoc_STRVAR(skip_result_doc, "skip_result($self, seq, /)\n--\n\n"
@@ -1093,6 +1121,7 @@ static PyObject *m_start_round_robin_at(Scheduler *t, PyObject *arg) {
 static PyMethodDef scheduler_methods[] = {
     {"bank_token", (PyCFunction)m_bank_token, METH_NOARGS, bank_token_doc},
     {"awaited", (PyCFunction)m_awaited, METH_NOARGS, awaited_doc},
+    {"wanted", (PyCFunction)m_wanted, METH_O, wanted_doc},
     {"skip_result", (PyCFunction)m_skip_result, METH_O, skip_result_doc},
     {"set_own", (PyCFunction)m_set_own, METH_O, set_own_doc},
     {"set_cap", (PyCFunction)m_set_cap, METH_O, set_cap_doc},

@@ -390,21 +390,23 @@ static PyObject *py_post_task(PyObject *self, PyObject *const *args, Py_ssize_t 
 }
 
 PyDoc_STRVAR(publish_doc,
-"publish($module, buffer, header, first, fields, state, done, sem, flag, seq, awaited, wake, /)\n--\n\n"
+"publish($module, buffer, header, first, fields, state, done, sem, flag, awaited, wake, /)\n--\n\n"
 "Publish a slot's result in one call: store the int64 values of `fields` at the header's\n"
 "fields first, first+1, ...; store `done` at buffer[state] with release ordering; post the\n"
 "semaphore at buffer[sem]; then, after a full fence, read the int64 at buffer[awaited] and post\n"
-"the semaphore at buffer[wake] when it names this result (`seq` + 1) or any (AWAIT_ANY): a\n"
-"sleeping consumer is woken by the result it waits for, not by every one; and return the int64\n"
-"at buffer[flag] (nonzero: an asynchronous consumer waits and wants its doorbell rung).");
+"the semaphore at buffer[wake] when a consumer sleeps (it is not AWAIT_NONE) and the word names\n"
+"this result (its R_SEQ + 1), or any (AWAIT_ANY), or the result asks the consumer for something\n"
+"(NEED_MEMORY, or its batch comes over the pipe): a sleeping consumer is woken by what it must\n"
+"act on, not by every batch. Returns the int64 at buffer[flag] (nonzero: an asynchronous\n"
+"consumer waits and wants its doorbell rung).");
 
 static PyObject *py_publish(PyObject *self, PyObject *args) {
     PyObject *buffer, *fields;
     Py_ssize_t header, first, state, sem_off, flag, awaited_off, wake_off;
-    long long done, result_seq;
+    long long done;
     Py_buffer view;
-    if (!PyArg_ParseTuple(args, "OnnOnLnnLnn", &buffer, &header, &first, &fields, &state, &done, &sem_off, &flag,
-                          &result_seq, &awaited_off, &wake_off))
+    if (!PyArg_ParseTuple(args, "OnnOnLnnnn", &buffer, &header, &first, &fields, &state, &done, &sem_off, &flag,
+                          &awaited_off, &wake_off))
         return NULL;
     if (header < 0 || first < 0 || first > (PY_SSIZE_T_MAX - 8) / 8 || header > PY_SSIZE_T_MAX - first * 8) {
         PyErr_Format(PyExc_ValueError, "publish: field %zd of the header at %zd is not a field of it", first, header);
@@ -416,8 +418,8 @@ static PyObject *py_publish(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     char *h = at(buffer, &view, header + first * 8, n * 8, 8);
     if (h == NULL) goto done;
-    if (!fits(&view, state, 8) || !fits(&view, sem_off, SEM_STRIDE) || !fits(&view, flag, 8) ||
-        !fits(&view, awaited_off, 8) || !fits(&view, wake_off, SEM_STRIDE)) {
+    if (!fits(&view, header, N_HEADER_FIELDS * 8) || !fits(&view, state, 8) || !fits(&view, sem_off, SEM_STRIDE) ||
+        !fits(&view, flag, 8) || !fits(&view, awaited_off, 8) || !fits(&view, wake_off, SEM_STRIDE)) {
         PyErr_SetString(PyExc_ValueError, "publish: an offset lies outside the buffer or is misaligned");
         goto release;
     }
@@ -429,8 +431,11 @@ static PyObject *py_publish(PyObject *self, PyObject *args) {
     }
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     int64_t awaited = __atomic_load_n((int64_t *)((char *)view.buf + awaited_off), __ATOMIC_RELAXED);
-    if ((awaited == AWAIT_ANY || (awaited != AWAIT_NONE && awaited == (int64_t)result_seq + 1)) &&
-        sem_post((sem_t *)((char *)view.buf + wake_off)) != 0) {
+    const int64_t *fields_of = (const int64_t *)((char *)view.buf + header); /* (this worker's own, just stored) */
+    int wake = awaited == AWAIT_ANY ||
+               (awaited != AWAIT_NONE && (awaited == fields_of[F_R_SEQ] + 1 || fields_of[F_STATUS] == STATUS_NEED_MEMORY ||
+                                          fields_of[F_REGION] == REGION_PIPE));
+    if (wake && sem_post((sem_t *)((char *)view.buf + wake_off)) != 0) {
         PyErr_SetFromErrno(PyExc_OSError);
         goto release;
     }
@@ -444,8 +449,9 @@ done:
 
 PyDoc_STRVAR(store_fenced_doc,
 "store_fenced($module, buffer, offset, value, /)\n--\n\n"
-"Store the int64 value at buffer[offset], then a full fence: a later read (of a semaphore)\n"
-"cannot pass it, so a publisher that posts and then reads this word sees it, or is seen.");
+"Store the int64 value at buffer[offset], then a full fence: a later read (of a semaphore, of a\n"
+"slot's STATE) cannot pass it, so a publisher that posts (or stores DONE) and then reads this\n"
+"word sees it, or is seen.");
 
 static PyObject *py_store_fenced(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     long long value;

@@ -49,6 +49,17 @@ class ModelTable:
                 return (slot, task.seq) if self.state[slot] is IN_FLIGHT else None
         return None
 
+    def wanted(self, ring: Ring, slot: int) -> bool:
+        """The last look of a consumer about to sleep for ``slot``'s batch: a slot in flight is
+        published that it must step for, ``slot`` itself or one whose result asks for memory or
+        comes over its pipe."""
+        for s in self.tasks:
+            hdr = ring.headers[s]
+            if self.state[s] is IN_FLIGHT and hdr[Field.STATE] == DONE and (
+                    s == slot or hdr[Field.STATUS] == Status.NEED_MEMORY or hdr[Field.REGION] == Region.PIPE):
+                return True
+        return False
+
     def bank_token(self) -> None:
         self.banked += 1
 
@@ -294,9 +305,9 @@ class Handoff:
     there is one (a yield's hit), is banked and it runs again. Without one it sleeps as
     ``main.wait.Waiter._block`` does: it AWAITs (takes the wake semaphore's stale tokens and names
     the result it waits for in the awaited word: the table's ``awaited()``, fenced), looks a
-    LAST time for the named result's DONE (with none named, for a ready token): either way a
-    token is banked, the word cleared, and it runs again (the result may have been published
-    before the word was named, its token matched with another DONE slot); and
+    LAST time (the table's ``wanted``: the named result DONE; with none named, a ready token):
+    either way a token is banked, the word cleared, and it runs again (the result may have been
+    published before the word was named, its token matched with another DONE slot); and
     without one goes ASLEEP on the wake semaphore (that look and the sleep are one); woken, it
     takes the wake token, clears the word and runs again (the step takes the ready tokens).
     The epoch's end (exhausted, nothing outstanding or ready) is FINISHED. The depth may grow
@@ -324,7 +335,7 @@ class Handoff:
         self.sampler = iter([[i] for i in range(tasks)])
         self.bases: dict[int, Any] = {}  # the lease table: each batch dropped by the user at once
         self.consumer = RUN
-        self.workers: list[Any] = [TAKE] * ring.geometry.num_workers  # TAKE, ASLEEP, (WRITE | POST | FLAG | RING, slot)
+        self.workers: list[Any] = [TAKE] * ring.geometry.num_workers  # TAKE, ASLEEP, (WRITE | RING, slot), (POST | FLAG, slot, seq)
         self.heads = [0] * ring.geometry.num_workers  # entries each worker took from its queue
         self.delivered: list[int] = []  # the seqs of the batches taken, in order
         self.deepen = deepen  # the cap the depth grows to (0: it does not)
@@ -399,7 +410,13 @@ class Handoff:
             self.consumer = LAST
         elif self.consumer == LAST:
             awaiting, self.awaiting = self.awaiting, None
-            if ring.published(awaiting[0]) if awaiting is not None else ring.take_ready(0):
+            if awaiting is None:
+                hit = ring.take_ready(0)
+            elif isinstance(self.table, ModelTable):
+                hit = self.table.wanted(ring, awaiting[0])
+            else:
+                hit = self.table.wanted(awaiting[0])
+            if hit:
                 ring.stop_awaiting()
                 self.table.bank_token()
                 self.consumer = RUN
@@ -407,6 +424,7 @@ class Handoff:
                 self.consumer = ASLEEP
         else:  # ASLEEP, and the wake semaphore has a token: it wakes
             assert ring.sleep_awaited(0)
+            ring.stop_awaiting()
             self.consumer = RUN
 
     def _async_wait(self) -> None:
@@ -446,13 +464,14 @@ class Handoff:
             hdr[Field.R_SEQ], hdr[Field.R_EPOCH] = hdr[Field.SEQ], hdr[Field.EPOCH]
             hdr[Field.STATUS], hdr[Field.REGION] = int(Status.OK), int(Region.SLOT)
             _native.store_release(ring.mm, ring.state_offsets[slot], DONE)
-            self.workers[w] = (POST, slot)
+            self.workers[w] = (POST, slot, int(hdr[Field.R_SEQ]))
         elif state[0] == POST:
             _native.sem_post(ring.mm, ring.ready_sem)
-            self.workers[w] = (FLAG, state[1])
+            self.workers[w] = (FLAG, state[1], state[2])
         elif state[0] == FLAG:  # (the read and the wake's post one move: a worker in between can always move on)
-            awaited, flag = word(ring, ring.awaited), word(ring, ring.doorbell_flag)
-            if awaited == AWAIT_ANY or (awaited != AWAIT_NONE and awaited == ring.headers[state[1]][Field.R_SEQ] + 1):
+            # (its seq as it published it: the slot may be taken and written anew by now)
+            awaited, flag = word(ring, ring.awaited_word), word(ring, ring.doorbell_flag)
+            if awaited == AWAIT_ANY or (awaited != AWAIT_NONE and awaited == state[2] + 1):
                 _native.sem_post(ring.mm, ring.wake_sem)
             self.workers[w] = (RING, state[1]) if flag else TAKE
         else:

@@ -99,16 +99,19 @@ class Waiter:
                 scope.sched.bank_token()
                 return
             check()  # only before sleeping: a batch that came while yielding needs no waitpid
-            awaited = scope.sched.awaited()  # (slot, seq), or None: any result
+            sched = scope.sched
+            awaited = sched.awaited()  # (slot, seq), or None: any result
             ring.await_result(None if awaited is None else awaited[1])  # before the last look: later publishers see it
-            # The last look: the named result DONE (published before it was named, perhaps its
-            # token matched with another DONE slot), or with none named a token. Either way the
-            # step looks again; a batch ahead of the named one does not end the wait.
-            if ring.published(awaited[0]) if awaited is not None else ring.take_ready(0):
+            try:
+                # The last look. With a batch named: it, or a result that asks for memory, is
+                # published (perhaps before the naming, its token matched with another DONE slot);
+                # a batch ahead of the named one does not end the wait. With none: a token.
+                if sched.wanted(awaited[0]) if awaited is not None else ring.take_ready(0):
+                    sched.bank_token()
+                    return
+                ring.sleep_awaited(self.sleep_s(deadline))  # a signal's handler (Ctrl-C) raises through it
+            finally:
                 ring.stop_awaiting()
-                scope.sched.bank_token()
-                return
-            ring.sleep_awaited(self.sleep_s(deadline))  # a signal's handler (Ctrl-C) raises through it
             return
         pool = self.life.pool
         mp_connection.wait([pool.conns[w] for w in request.workers] + pool.sentinels, self.sleep_s(deadline))

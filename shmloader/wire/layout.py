@@ -44,8 +44,9 @@ class Field:
     """Fields of a slot header (int64 each); plain ints, read on every batch.
 
     Publication: a worker writes the batch and every result field, then stores STATE=DONE
-    with release ordering and posts the ready semaphore (one call, ``_native.publish``); the
-    consumer reads STATE with acquire ordering (``_native.collect``) before it reads any
+    with release ordering and posts the ready semaphore, and the wake semaphore when a
+    sleeping consumer waits for it (one call, ``_native.publish``); the consumer reads STATE
+    with acquire ordering (``Scheduler.step``, ``Scheduler.wanted``) before it reads any
     other field or byte of the slot. So a DONE slot is complete on ARM as on x86.
     (``_native.store_release`` and ``load_acquire`` are the same orderings for one word: the
     consumer resets a granted slot's STATE with the first; ``tests/unit/test_sync.py`` checks
@@ -249,10 +250,11 @@ class RingGeometry:
         return (2 + self.num_workers) * SEM_STRIDE
 
     @property
-    def awaited(self) -> int:
-        """Offset of the awaited word: AWAIT_NONE, AWAIT_ANY, or the seq + 1 of the one result
-        that wakes a sleeping synchronous consumer (in order, the next it takes). Results it
-        does not name post the ready semaphore alone, and wake nobody."""
+    def awaited_word(self) -> int:
+        """Offset of the awaited word: AWAIT_NONE, AWAIT_ANY, or the seq + 1 of the one batch
+        that wakes a sleeping synchronous consumer (in order, the next it takes). Batches it
+        does not name post the ready semaphore alone, and wake nobody (a result that asks the
+        consumer for memory or its pipe wakes it whatever the word names)."""
         return (3 + self.num_workers) * SEM_STRIDE
 
     @property

@@ -24,13 +24,13 @@ from shmloader.wire.layout import AWAIT_ANY, AWAIT_NONE, DONE, N_COUNTERS, N_FIE
 
 # What _native.post_task (and the scheduler's post_index) returns.
 POSTED, DOES_NOT_FIT, NOT_INTS = 1, 0, -1
-_R_SEQ = Field.R_SEQ - Field.STATUS  # the result's seq among a publication's fields (from STATUS on)
 
 
 class YieldWait:
     """Before a process sleeps on one of the ring's semaphores, it gives its CPU away
     (``sched_yield``) and looks again, a bounded number of times: a sync ``next()`` for a
-    batch (the ready semaphore), a worker for its next task (its task semaphore). A process
+    batch (a token of the ready semaphore; it sleeps on the wake semaphore), a worker for its
+    next task (its task semaphore). A process
     that shares the CPU runs at once, and one on another CPU need not wake the waiter from a
     sleep: on a VM that wake-up (an IPI to a halted vCPU) costs the waker 5-14 µs, most of a
     small batch's cost. The bound is ``most`` after a token came while yielding and halves
@@ -149,7 +149,7 @@ class _Views:
         self.task_sems = [geometry.task_sem(w) for w in range(geometry.num_workers)]
         self.ready_sem = geometry.ready_sem
         self.doorbell_flag = geometry.doorbell_flag
-        self.wake_sem, self.awaited = geometry.wake_sem, geometry.awaited
+        self.wake_sem, self.awaited_word = geometry.wake_sem, geometry.awaited_word
         self.queue_len = geometry.queue_len
         self.data_bytes = geometry.data_bytes
         # Headers, queues and counters as int64 memoryviews: an item reads as a plain int (a
@@ -167,29 +167,23 @@ class _Views:
         return _native.sem_wait(self.mm, self.ready_sem, timeout)
 
     def await_result(self, seq: int | None) -> None:
-        """Name the result a synchronous wait will sleep for (its ``seq``; None: any), after
-        taking the wake semaphore's stale tokens. Fenced: set before the consumer's last look
-        (the ready semaphore, the named slot's STATE), it is seen by every publisher that stores
-        DONE after that look, and the one it names posts the wake semaphore."""
+        """Name the batch a sync wait will sleep for (its ``seq``; None: any result), after
+        taking the wake semaphore's stale tokens. Fenced: stored before the consumer's last
+        look (``Scheduler.wanted``, or with none named the ready semaphore), it is seen by every
+        publisher that stores DONE after that look, and the one it names posts the wake
+        semaphore. The caller clears it (``stop_awaiting``) however the wait ends."""
         while _native.sem_wait(self.mm, self.wake_sem, 0):
             pass
-        _native.store_fenced(self.mm, self.awaited, AWAIT_ANY if seq is None else seq + 1)
-
-    def published(self, slot: int) -> bool:
-        """Whether ``slot``'s STATE is DONE (an acquire load)."""
-        return _native.load_acquire(self.mm, self.state_offsets[slot]) == DONE
+        _native.store_fenced(self.mm, self.awaited_word, AWAIT_ANY if seq is None else seq + 1)
 
     def sleep_awaited(self, timeout: float) -> bool:
-        """Sleep until the awaited result's publisher wakes this process, for at most
-        ``timeout`` s; then nothing is awaited. Whether it was woken."""
-        try:
-            return _native.sem_wait(self.mm, self.wake_sem, timeout)
-        finally:
-            self.stop_awaiting()
+        """Sleep until a publisher posts the wake semaphore, for at most ``timeout`` s; whether
+        it did."""
+        return _native.sem_wait(self.mm, self.wake_sem, timeout)
 
     def stop_awaiting(self) -> None:
         """Nothing is awaited: publishers post the ready semaphore alone."""
-        _native.store_release(self.mm, self.awaited, AWAIT_NONE)
+        _native.store_release(self.mm, self.awaited_word, AWAIT_NONE)
 
     def want_doorbell(self, on: bool) -> None:
         """Ask workers to write the eventfd doorbell when they publish (an ``async for`` is about
@@ -276,11 +270,11 @@ class AttachedRing(_Views):
     def publish(self, slot: int, results: tuple[int, ...]) -> bool:
         """Store a slot's result fields (``results``: the header from STATUS on, in field
         order), set it DONE with release ordering, post the ready semaphore, and the wake
-        semaphore if the awaited word names this result: one native call. Returns whether an
-        ``async for`` consumer waits for the doorbell."""
+        semaphore if a consumer sleeps for this result (or any, or the result asks it for
+        memory or its pipe): one native call. Returns whether an ``async for`` consumer waits
+        for the doorbell."""
         return bool(_native.publish(self.mm, self.header_offsets[slot], Field.STATUS, results, self.state_offsets[slot],
-                                    DONE, self.ready_sem, self.doorbell_flag, results[_R_SEQ], self.awaited,
-                                    self.wake_sem))
+                                    DONE, self.ready_sem, self.doorbell_flag, self.awaited_word, self.wake_sem))
 
     def take_task(self, timeout: float) -> None | int | tuple[int, int, int, Any, bool]:
         """The next task queued for this worker: (slot, epoch, seq, index, own), where index is the

@@ -5,7 +5,9 @@ batch privately (the probe that sizes the ring), then receives the ring's geomet
 the segment's fd, attaches, and from then on talks only through shared memory: it
 takes slot numbers from its task queue (a semaphore per worker), reads the index from the
 slot, writes the batch and the result header, marks the slot DONE, posts the ready
-semaphore and rings the doorbell (an eventfd the main process's event loop watches).
+semaphore (and the wake semaphore, when a sleeping sync ``next()`` waits for this result) and
+rings the doorbell (an eventfd the main process's event loop watches) when an ``async for``
+waits.
 
 A batch that does not fit its slot takes the overflow path (see ``main/overflow.py``): the
 worker publishes the slot as ``NEED_MEMORY`` and waits on its setup connection for the
@@ -108,7 +110,8 @@ class Publisher:
                 ring.bytes[start : start + len(shard_end)] = np.frombuffer(shard_end, dtype=np.uint8)
                 pickled_len = len(shard_end)
         # The result fields from STATUS on, in field order (see wire.layout.Field); DONE is stored after
-        # them with release ordering, then the ready semaphore is posted.
+        # them with release ordering, then the ready semaphore is posted (and the wake, when a sync
+        # next() sleeps for this result: wire.layout.RingGeometry.awaited_word).
         results = (outcome.status, self.worker_id, table_off, table_len, pickled_off, pickled_len, outcome.needed,
                    at.epoch, at.seq, dataset_state_off, dataset_state_len, region)
         if ring.publish(slot, results):  # an async for waits: ring its doorbell too

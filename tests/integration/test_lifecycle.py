@@ -512,25 +512,25 @@ def test_a_dataset_that_exits_is_said_as_such_without_the_memory_hint() -> None:
 
 @pytest.fixture
 def timed_out(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """The sync waits on the ready semaphore that run out, with the heartbeat at 20 s."""
+    """The sync waits on the wake semaphore that run out, with the heartbeat at 20 s."""
     monkeypatch.setattr(_wait, "CHECK_S", 20.0)
     out: list[float] = []
-    take_ready = _ring._Views.take_ready
+    sleep_awaited = _ring._Views.sleep_awaited
 
     def counted(self: Any, timeout: float) -> bool:
-        got = take_ready(self, timeout)
+        got = sleep_awaited(self, timeout)
         if timeout > 0 and not got:
             out.append(timeout)
         return got
 
-    monkeypatch.setattr(_ring._Views, "take_ready", counted)
+    monkeypatch.setattr(_ring._Views, "sleep_awaited", counted)
     return out
 
 
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("iterable", [False, True])
 def test_no_wait_ends_by_its_timeout(timed_out: list[float], persistent: bool, iterable: bool) -> None:
-    # A sync next() that sleeps on the ready semaphore wakes when a batch is published; its
+    # A sync next() that sleeps on the wake semaphore wakes when its batch is published; its
     # timeout (CHECK_S) is only a heartbeat for dead workers. A wait that ran out in a healthy
     # epoch (its start, its end, a partial last batch, an exhausted shard, an epoch broken
     # off) would mean the consumer slept for nothing to come. With the heartbeat at 20 s,
@@ -545,6 +545,25 @@ def test_no_wait_ends_by_its_timeout(timed_out: list[float], persistent: bool, i
             assert next(it).tolist() == want[0]
             del it  # broken off after one batch
         assert [b.tolist() for b in loader] == want
+    assert timed_out == []
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_no_wait_ends_by_its_timeout_while_batches_overflow(timed_out: list[float], persistent: bool) -> None:
+    # Dynamic padding whose batches outgrow the ring (long texts, the ring sized from a small
+    # first batch): workers ask the consumer for overflow memory while it sleeps for an earlier
+    # batch, and the ring grows. A request wakes it whatever batch it named; none of its waits
+    # may run out.
+    kw: dict[str, Any] = dict(batch_size=4, num_workers=2, collate_fn=pad_collate, persistent_workers=persistent)
+    dataset = Tokens(96, first_small=8, big_every=7)
+    want = list(torch.utils.data.DataLoader(dataset, **kw))
+    loader = shmloader.DataLoader(dataset, **kw)
+    for _ in range(2):
+        got = list(loader)
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            same(a, b)
+        del got
     assert timed_out == []
 
 

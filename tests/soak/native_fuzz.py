@@ -337,8 +337,8 @@ def fuzz_sync(native: Any, rng: random.Random, g: Guarded) -> None:
                                  rng.choice([0, 64, 4096, SIZE, -8]), data_offset(rng), rng.randrange(8),
                                  sem_offset(native, rng), rng.random() < 0.5),
         lambda: native.publish(g.view, data_offset(rng), rng.randrange(-2, 20), tuple(range(rng.randrange(14))),
-                               data_offset(rng), 1, sem_offset(native, rng), data_offset(rng),
-                               rng.randrange(-2, 2**63), data_offset(rng), sem_offset(native, rng)),
+                               data_offset(rng), 1, sem_offset(native, rng), data_offset(rng), data_offset(rng),
+                               sem_offset(native, rng)),
         lambda: take_task(native, rng, g),
     ]
     try:

@@ -115,22 +115,25 @@ def test_a_read_only_buffer_is_refused() -> None:
         _native.sem_post(b"\0" * 64, 0)
 
 
-def test_a_publication_posts_the_wake_semaphore_only_for_the_result_awaited() -> None:
+def test_a_publication_posts_the_wake_semaphore_only_for_what_a_sleeper_must_act_on() -> None:
     # The ready semaphore gets a token per publication; the wake semaphore, which a sleeping
-    # sync next() waits on, only when the awaited word names the result (its seq) or any.
+    # sync next() waits on, only when the awaited word names the result (its seq) or any, or
+    # when the result asks the consumer for something (memory) while it sleeps.
     geometry = RingGeometry(num_workers=1, num_slots=3, data_bytes=4096)
     ring = Ring(geometry)
     worker = AttachedRing(geometry, ring.mm, 0)
 
-    def publish(slot: int, seq: int) -> tuple[bool, bool]:
+    def publish(slot: int, seq: int, status: Status = Status.OK) -> tuple[bool, bool]:
         """(a ready token came, a wake token came)"""
-        worker.publish(slot, (Status.OK, 0, 0, 0, 0, 0, 0, 0, seq, 0, 0, Region.SLOT))
+        worker.publish(slot, (status, 0, 0, 0, 0, 0, 0, 0, seq, 0, 0, Region.SLOT))
         return ring.take_ready(0), _native.sem_wait(ring.mm, ring.wake_sem, 0)
 
     try:
         assert publish(0, 0) == (True, False)  # nothing awaited: a fresh segment's word
+        assert publish(0, 0, Status.NEED_MEMORY) == (True, False)  # nobody sleeps
         ring.await_result(2)
         assert publish(1, 1) == (True, False)  # a batch ahead of the one awaited wakes nobody
+        assert publish(1, 1, Status.NEED_MEMORY) == (True, True)  # a request does
         assert publish(2, 2) == (True, True)
         ring.await_result(None)
         assert publish(0, 7) == (True, True)  # any
@@ -140,6 +143,5 @@ def test_a_publication_posts_the_wake_semaphore_only_for_the_result_awaited() ->
         worker.publish(2, (Status.OK, 0, 0, 0, 0, 0, 0, 0, 9, 0, 0, Region.SLOT))  # its wake token left behind
         ring.await_result(3)  # takes it: a stale token never ends the next sleep
         assert ring.sleep_awaited(0) is False
-        assert publish(2, 3) == (True, False)  # sleep_awaited cleared the word
     finally:
         ring.close()
