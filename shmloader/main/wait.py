@@ -101,12 +101,16 @@ class Waiter:
             check()  # only before sleeping: a batch that came while yielding needs no waitpid
             sched = scope.sched
             awaited = sched.awaited()  # (slot, seq), or None: any result
-            ring.await_result(None if awaited is None else awaited[1])  # before the last look: later publishers see it
             try:
+                ring.await_result(None if awaited is None else awaited[1])  # before the last look: publishers see it
                 # The last look. With a batch named: it, or a result that asks for memory, is
                 # published (perhaps before the naming, its token matched with another DONE slot);
                 # a batch ahead of the named one does not end the wait. With none: a token.
-                if sched.wanted(awaited[0]) if awaited is not None else ring.take_ready(0):
+                if awaited is None:
+                    looked = ring.take_ready(0)
+                else:
+                    looked = sched.wanted(awaited[0])
+                if looked:
                     sched.bank_token()
                     return
                 ring.sleep_awaited(self.sleep_s(deadline))  # a signal's handler (Ctrl-C) raises through it
