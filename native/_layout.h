@@ -42,7 +42,7 @@
 #define REGION_PIPE 2
 #define REGION_LEAVES 3 /* leaves in the overflow memory; skeleton, leaf table, state in the slot */
 
-/* The awaited word (shmloader/wire/layout.py, RingGeometry.awaited): which result a sleeping
+/* The awaited word (shmloader/wire/layout.py, RingGeometry.awaited_word): which result a sleeping
    synchronous consumer waits for. AWAIT_NONE: it does not sleep; AWAIT_ANY: any result wakes
    it; otherwise the result's seq + 1 (a fresh segment's zeros read as AWAIT_NONE). */
 #define AWAIT_NONE 0

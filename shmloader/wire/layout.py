@@ -130,7 +130,7 @@ _agree("the statuses", (Status.OK, Status.NEED_MEMORY),
 _agree("the regions", {f"REGION_{r.name}": int(r) for r in Region},
        {name: value for name, value in _native.LAYOUT.items() if name.startswith("REGION_")})
 
-# The awaited word's values (``RingGeometry.awaited``); a result's seq s reads as s + 1.
+# The awaited word's values (``RingGeometry.awaited_word``); a result's seq s reads as s + 1.
 AWAIT_NONE: Final = _native.LAYOUT["AWAIT_NONE"]  # the consumer does not sleep (a fresh segment's 0)
 AWAIT_ANY: Final = _native.LAYOUT["AWAIT_ANY"]  # any result wakes it
 
@@ -246,7 +246,8 @@ class RingGeometry:
     @property
     def wake_sem(self) -> int:
         """Offset of the wake semaphore, the one a synchronous consumer sleeps on: a worker posts
-        it after publishing a result that the awaited word names."""
+        it after publishing a result that the awaited word names (or, while a consumer sleeps,
+        one that asks it for memory or comes over the pipe)."""
         return (2 + self.num_workers) * SEM_STRIDE
 
     @property
