@@ -499,8 +499,10 @@ def fuzz_scheduler(native: Any, rng: random.Random, g: Guarded) -> None:
         lambda: table.post_index(slot(), rng.choice([[1, 2], b"xy", (1,), range(3)]), rng.random() < 0.3),
         lambda: table.renew_queue(worker()),
         lambda: table.set_idle(slot()),
-        lambda: setattr(table, "rr", worker()),
-        lambda: setattr(table, "banked", rng.choice([0, 1, 5, -1])),
+        lambda: table.start_round_robin_at(worker()),
+        lambda: table.bank_token(),
+        lambda: table.awaited(),
+        lambda: table.wanted(slot()),
         publish,
     ]
     for _ in range(rng.randrange(1, 40)):
