@@ -35,7 +35,11 @@ from shmloader._stats import Counters
 from shmloader.wire.layout import Counter
 
 DEFAULT = 2  # torch's prefetch_factor when num_workers > 0 and none is given
-MOST = 16  # the deepest an adaptive depth grows to (batches in flight per worker)
+# The deepest an adaptive depth grows to (batches in flight per worker). Beside two CPU-bound
+# neighbours on 2 CPUs a loop of tiny batches that runs for seconds kept 46-66k batches/s at 64,
+# 55k at 32 and 17-46k at 16 (its rate alone: 130-136k); at 128, 45-53k (bench/RESULTS.md,
+# 2026-12-05, late night). Batches of 256 KiB stop at 7, where RING_BYTES ends.
+MOST = 64
 RING_BYTES = 4 << 20  # the most slot data a ring made deeper than torch's default may hold...
 BUDGET_SHARE = 8  # ...and, under memory_budget, this fraction of it at most (the rest stays the batches')
 START = 32  # batches before the first window begins (a start-up's are not the steady state)

@@ -39,7 +39,7 @@ from shmloader._errors import CorruptSlotError, StopCarrier, WorkerReplacedWarni
 from shmloader._stats import Counters, RingOccupancy, occupancy
 from shmloader._torch_private import is_iterable, iterator_parts
 from shmloader.main.delivery import Delivery
-from shmloader.main.depth import Depth, Watch
+from shmloader.main.depth import DEFAULT, Depth, Watch
 from shmloader.main.dispatch import batches_of
 from shmloader.main.lease import leaves_of, read_pickled, slot_of
 from shmloader.main.lifecycle import Lifecycle, RingSettings
@@ -89,7 +89,8 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
         cap = self._num_workers * depth.prefetch  # tasks at once (torch's bound); memory_budget may give fewer slots
         self._sched = Scheduler(cap, self._num_workers, cap, in_order=loader.in_order)
         self._watch = Watch(depth, self._counters)
-        self._broker = OverflowBroker(loader._shm_memory, loader._shm_memory_budget, loader.in_order)
+        in_flight = self._num_workers * (depth.prefetch if depth.given else DEFAULT)  # torch's, with or without it given
+        self._broker = OverflowBroker(loader._shm_memory, loader._shm_memory_budget, loader.in_order, in_flight)
         plan: _state_layout.Plan | None = loader._shm_resume_plan
         self._delivery = Delivery(self._sched, self._broker, self._counters, self._iterable or has_state(self._dataset),
                                   seqs=not loader.in_order and not self._iterable)  # (consumed: not a prefix)

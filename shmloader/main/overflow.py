@@ -133,10 +133,15 @@ class OverflowBroker:
     taken by the delivered batch (``RingScope.take``; freed when the batch's last view dies) or
     dropped with its task (``RingScope.drop``: stale epoch, dead worker, error), exactly once."""
 
-    def __init__(self, memory: LoaderMemory, budget: int | None, in_order: bool) -> None:
+    def __init__(self, memory: LoaderMemory, budget: int | None, in_order: bool, in_flight: int) -> None:
         self.memory = memory
         self.budget = budget
         self.in_order = in_order
+        # Overflow batches granted and not yet delivered, at most: torch's batches in flight
+        # (num_workers * prefetch_factor, torch's default when none was given). A depth grown for
+        # small batches may have num_workers * depth.MOST tasks out when batches outgrow their
+        # slots: each would ask for memory of its own, where torch's loader holds its default.
+        self.in_flight = in_flight
         self.grow_to: int | None = None  # a larger slot size, taken up once the ring drains
         self.growth_declined = False  # memory_budget had no room to grow; overflow carries large batches
         self.awaiting_room = False  # a grant waits for memory_budget: freed memory rings the doorbell
@@ -185,9 +190,10 @@ class OverflowBroker:
 
     def grant(self, scope: RingScope) -> None:
         """Give waiting workers their overflow memory, lowest sequence number first, while
-        ``memory_budget`` has room; the rest wait (backpressure). Under a budget with in-order
-        delivery, a batch gets memory only once every batch before it has its memory or fits a
-        slot, so the budget is never taken by a batch that cannot be delivered yet."""
+        ``memory_budget`` has room and fewer than ``in_flight`` are undelivered; the rest wait
+        (backpressure). Under a budget with in-order delivery, a batch gets memory only once
+        every batch before it has its memory or fits a slot, so the budget is never taken by a
+        batch that cannot be delivered yet."""
         self.awaiting_room = False
         sched = scope.sched
         for slot in sched.waiting():
@@ -197,6 +203,8 @@ class OverflowBroker:
                 sched.drop(slot)
                 scope.answer_memory(task.worker, slot, 0)
                 continue
+            if len(scope.grants) >= self.in_flight and not (self.in_order and task.seq == sched.rcvd_seq):
+                return  # (lowest seq first: the batch the loop waits for in order is never held back)
             size = round_up(task.needed, PAGE)
             if self.budget is not None and self.in_order and self._earlier_may_overflow(scope, task.seq):
                 return  # granting out of order could give an undeliverable later batch the room

@@ -62,8 +62,8 @@ def test_a_depth_grown_mid_epoch_yields_torchs_batches(grows: None, in_order: bo
         else:  # each batch exactly once
             assert sorted(b.tolist() for b in got) == sorted(b.tolist() for b in want)
     stats = loader.stats()
-    assert depths[0] == 2 and depths[-1] == 16 and depths == sorted(depths), depths  # (from torch's default, up)
-    assert stats.depth_why.startswith("16, grown from torch's default"), stats.depth_why
+    assert depths[0] == 2 and depths[-1] == _depth.MOST and depths == sorted(depths), depths  # (from torch's default, up)
+    assert stats.depth_why.startswith(f"{_depth.MOST}, grown from torch's default"), stats.depth_why
     assert stats.ring_growths == 0  # (deeper is more tasks in the same ring)
 
 
@@ -156,21 +156,27 @@ class _Growing(tud.Dataset):  # type: ignore[type-arg]
 
 @pytest.mark.parametrize("persistent", [False, True])
 def test_a_depth_grown_for_small_batches_gives_larger_ones_torchs_ring(grows: None, persistent: bool) -> None:
-    # The depth reaches 16 on 4 KiB batches; then 1 MiB batches come, the ring grows for them, and
-    # it is torch's ring again (5 slots: never 33 of 1 MiB), this epoch and the next.
-    loader: Any = shmloader.DataLoader(_Growing(800, at=400), batch_size=4, num_workers=2,
-                                       persistent_workers=persistent)
+    # The depth reaches its deepest on 4 KiB batches; then 4 MiB batches come. The tasks then out
+    # (2 * MOST of them) each ask for memory of their own, but no more than torch's batches in
+    # flight (2 * 2) hold it undelivered at once; the ring grows for them once they are in, and
+    # it is torch's ring again (5 slots: never 2 * MOST + 1 of 4 MiB), this epoch and the next.
+    big, small = 4 << 20, 100  # (bytes a large batch, and how many small batches an epoch begins with)
+    loader: Any = shmloader.DataLoader(_Growing(4 * (small + 2 * _depth.MOST + 50), at=4 * small), batch_size=4,
+                                       num_workers=2, persistent_workers=persistent)
     for epoch in range(2):
         depths, slots = [], []
         for k, batch in enumerate(loader):
-            assert int(batch[0, 0]) == 4 * k and batch.shape[1] == (1024 if 4 * k < 400 else 1 << 18)
+            assert int(batch[0, 0]) == 4 * k and batch.shape[1] == (1024 if k < small else 1 << 18)
             stats = loader.stats()
             assert stats.ring is not None
             depths.append(stats.depth)
             slots.append(stats.ring.slots)
             assert stats.ring.slots <= 5 or stats.ring.slots * stats.ring.slot_bytes <= 4 << 20  # (never both)
+            ring = stats.ring.slots * (stats.ring.slot_bytes + 4096)  # (a header page a slot, at most)
+            # torch's 4 in flight, the batch the loop waits for, and the one it holds
+            assert loader._shm_memory.in_use - ring <= 6 * (big + 4096), (k, loader._shm_memory.in_use, ring)
         if epoch == 0:
-            assert max(depths) == 16 and slots[0] == 33
+            assert max(depths) == _depth.MOST and slots[0] == 2 * _depth.MOST + 1
         assert depths[-1] == 2 and slots[-1] == 5, (depths[-5:], slots[-5:])
     del batch
 

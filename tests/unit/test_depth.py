@@ -59,10 +59,11 @@ def started(depth: Depth, clock: Clock, r: Any) -> Watch:
 def test_it_grows_while_the_loop_waits_on_idle_workers_and_doubles_up_to_the_ring(clock: Clock) -> None:
     depth, r = Depth(DEFAULT, given=False), ring()
     watch = started(depth, clock, r)
-    caps = [window(watch, r, clock, blocked=0.8, busy=0.1) for _ in range(5)]
-    assert caps == [2 * 4, 2 * 8, 2 * 16, None, None]
+    doublings = MOST.bit_length() - DEFAULT.bit_length()  # (2, 4, ... MOST)
+    caps = [window(watch, r, clock, blocked=0.8, busy=0.1) for _ in range(doublings + 2)]
+    assert caps == [2 * (DEFAULT << k) for k in range(1, doublings + 1)] + [None, None]
     assert depth.prefetch == MOST
-    assert depth.why.startswith("16, grown from torch's default: over a window (128 batches and 20 ms at least) the "
+    assert depth.why.startswith(f"{MOST}, grown from torch's default: over a window (128 batches and 20 ms at least) the "
                                 "loop waited 80% of its time, 1000 µs a wait, while the workers were 10% busy"), depth.why
     assert watch.at > 10**15  # (nothing left to decide)
 
@@ -133,7 +134,7 @@ def test_a_window_across_another_ring_or_a_replaced_worker_starts_over(clock: Cl
 
 def test_rings_deeper_than_torchs_are_for_small_batches_only() -> None:
     depth = Depth(DEFAULT, given=False)
-    assert depth.ring_prefetch(2, 4096) == MOST  # 33 slots of 4 KiB
+    assert depth.ring_prefetch(2, 4096) == MOST  # 2 * MOST + 1 slots of 4 KiB (room for 1,023)
     assert depth.ring_prefetch(2, 256 * 1024) == 7  # 15 slots of 256 KiB: within RING_BYTES
     assert (2 * 7 + 1) * 256 * 1024 <= RING_BYTES < (2 * 8 + 1) * 256 * 1024
     assert depth.ring_prefetch(2, 1 << 20) == DEFAULT  # torch's ring, never more
