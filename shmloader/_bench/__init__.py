@@ -102,6 +102,9 @@ def run(args: argparse.Namespace) -> tuple[list[Result], list[str]]:
     for w in workloads:
         batches = args.batches or (w.quick_batches if args.quick else w.batches)
         samples = (batches if w.epochs else batches * repeats + 8) * w.batch_size
+        steady = crowds != [0] and not w.epochs  # (--neighbours: each run a steady state of seconds)
+        if steady:
+            samples = _neighbours.LONG * w.batch_size
         dataset = w.make(args.cache, args.quick, args.data, samples)
         # (loader, neighbours) -> round -> result
         runs: dict[tuple[str, int], dict[int, Result]] = {(ld.name, n): {} for ld in loaders for n in crowds}
@@ -115,7 +118,8 @@ def run(args: argparse.Namespace) -> tuple[list[Result], list[str]]:
                 try:
                     with _neighbours.neighbours(n):
                         res = measure(w.name, ld.name, make, batches, repeats, args.step_ms / 1e3, epochs=w.epochs,
-                                      hold=w.hold)
+                                      hold=w.hold, settle_s=_neighbours.SETTLE_S if steady else 0.0,
+                                      least_s=_neighbours.LEAST_S if steady else 0.0)
                 except Exception as exc:  # a peer that cannot run this workload is reported, not fatal
                     notes.append(f"{w.name} / {ld.name}: failed: {type(exc).__name__}: {exc}")
                 else:
@@ -425,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.neighbours is not None:
         print("# neighbours: processes running `while True: pass` at the loader's priority; vs torch: torch beside "
               "as many in the same round; share: of the loader's own rate with none, in the same round")
+        print(f"# each run (none beside too): {_neighbours.SETTLE_S:g} s untimed, then each repeat "
+              f"{_neighbours.LEAST_S:g} s at least (a steady state: the depth adapted, the processes placed)")
         print(neighbours_table(results))
     elif args.ceiling:
         print(ceiling_table(results))

@@ -358,10 +358,15 @@ def measure(
     step_s: float = 0.0,
     epochs: bool = False,
     hold: bool = False,
+    settle_s: float = 0.0,
+    least_s: float = 0.0,
 ) -> Result:
     """Time ``repeats`` runs of ``batches`` batches of one loader: one epoch holds them all,
     or with ``epochs`` each run is one epoch (after a first, unmeasured one). With ``hold``
-    the loop keeps every batch of a run until the run ends."""
+    the loop keeps every batch of a run until the run ends. Without ``epochs``, the loader may
+    first run ``settle_s`` seconds untimed (its depth adapts, the scheduler places its
+    processes), and each run lasts ``least_s`` seconds at least, in whole runs of ``batches``
+    (the dataset must hold them: ``--neighbours`` makes it long enough)."""
     gc.collect()  # the last loader's garbage goes before this one's baseline, as in peak_memory
     baseline = pss_bytes([os.getpid()], shared=False)
     memory = PeakMemory()
@@ -376,27 +381,35 @@ def measure(
     if epochs:  # the rest of the first epoch: the warm-up the ring adapts in
         for _ in it:
             pass
+    else:
+        settled = time.perf_counter() + settle_s
+        while time.perf_counter() < settled:
+            next(it)
     overflow_before = loader.stats().overflow_batches if hasattr(loader, "stats") else 0
     cpu_use = TreeUsage()
     rates, waits = [], []
     clock = time.perf_counter
+    n = 0
     for _ in range(repeats):
         if epochs:
             it = iter(loader)
         kept = []
         t = clock()
-        for _ in range(batches):
-            asked = clock()
-            batch = next(it)
-            waits.append(clock() - asked)
-            if step_s:
-                _spin(step_s)
-            if hold:
-                kept.append(batch)
-            del batch
-        rates.append(batches / (clock() - t))
+        done = 0
+        while not done or (not epochs and clock() - t < least_s):
+            for _ in range(batches):
+                asked = clock()
+                batch = next(it)
+                waits.append(clock() - asked)
+                if step_s:
+                    _spin(step_s)
+                if hold:
+                    kept.append(batch)
+                del batch
+            done += batches
+        rates.append(done / (clock() - t))
+        n += done
         del kept
-    n = batches * repeats
     main_use, workers_use = cpu_use.stop()
     cpu = (main_use.on_cpu + workers_use.on_cpu) / n
     waits.sort()
@@ -423,7 +436,7 @@ def measure(
         loader_bound=None if stats is None else stats.loader_bound,
         advice=None if stats is None else stats.advice,
         overflow_share=(None if stats is None or not epochs
-                        else (stats.overflow_batches - overflow_before) / (batches * repeats)),
+                        else (stats.overflow_batches - overflow_before) / n),
         ring_growths=None if stats is None else stats.ring_growths,
         slot_bytes=None if ring is None else ring.geometry.data_bytes,
         cpu_us=CpuSplit(1e6 * main_use.user / n, 1e6 * main_use.system / n, 1e6 * workers_use.user / n,

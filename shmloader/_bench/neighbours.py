@@ -11,6 +11,14 @@ import subprocess
 import sys
 from typing import Iterator
 
+# A loop beside neighbours runs for minutes: the loader runs SETTLE_S untimed first (its depth
+# adapts; the scheduler spreads its processes and the neighbours over the CPUs, which a loader's
+# first tenth of a second does not show), then each repeat lasts LEAST_S at least.
+SETTLE_S = 1.0
+LEAST_S = 1.0
+# The batches a dataset holds for that (each loader stops far short: 200k batches/s for 4 s)
+LONG = 2_000_000
+
 # The pids of the neighbours running now: not the loader's, so the measures of its process tree
 # (CPU, memory) leave them out.
 RUNNING: set[int] = set()

@@ -276,9 +276,12 @@ def test_neighbours_run_beside_each_loader_and_ratios_pair_within_a_crowd(
              ("shmloader", 0): [4000.0, 6000.0], ("shmloader", 2): [400.0, 1500.0]}
 
     def fake_measure(workload: str, loader: str, make: object, batches: int, repeats: int,
-                     step_s: float, epochs: bool = False, hold: bool = False) -> Result:
+                     step_s: float, epochs: bool = False, hold: bool = False, settle_s: float = 0.0,
+                     least_s: float = 0.0) -> Result:
         crowd = _neighbours_running()
         seen.append((loader, crowd))
+        # (every run a steady state of seconds, alone too: the share compares like with like)
+        assert (settle_s, least_s) == (_bench.neighbours.SETTLE_S, _bench.neighbours.LEAST_S) > (0, 0)
         rate = rates[(loader, crowd)][sum(1 for s in seen if s == (loader, crowd)) - 1]
         return Result(workload, loader, rate, rate, rate, 0.0, 0.1, 1.0, peak_mb=1.0, loader_mb=1.0, batch_bytes=8)
 
