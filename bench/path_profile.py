@@ -11,7 +11,11 @@ process, ``/proc`` in the workers) is printed unwrapped, from a second, plain ru
 With ``--pin`` the main process runs alone on CPU 0 and the workers share CPU 1, so no worker
 preempts the main process: its rows are then its own work, not the wake-ups it causes.
 
-Usage: python bench/path_profile.py [tiny|tokens|image] [--batches N] [--pin]
+The real workloads of ``shmloader bench`` (memmap, varlen, jpeg, ...) run too, with their own
+dataset and collate: their rows then say what the loader adds to the dataset's own work (the
+``produce`` row less ``fetch samples``, and the copies a collate_fn's tensors take into the slot).
+
+Usage: python bench/path_profile.py [tiny|tokens|image|memmap|varlen|...] [--batches N] [--pin]
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from torch.utils.data import Dataset
 import shmloader
 from shmloader import _native, _stats
 from shmloader._bench.measure import usage
+from shmloader._bench.workloads import CACHE, WORKLOADS
 from shmloader.main import delivery as _delivery
 from shmloader.main import iterator as _consume
 from shmloader.main import scheduler as _slots
@@ -62,6 +67,7 @@ WORKER_STEPS = [
     (_produce.Producer, "_samples", "fetch samples (__getitem__)"),
     (_collate, "_stack_into_slot", "stack into the slot (torch.stack out=)"),
     (_collate.SlotWriter, "finish", "skeleton and leaf table"),
+    (_collate.SlotWriter, "leaf_id", "  of which tensors a collate_fn made, copied into the slot"),
     (_worker.Publisher, "publish", "publish (header, DONE, post; doorbell when async waits)"),
     (_produce.Producer, "produce", "produce: fetch + collate + finish"),
 ]
@@ -117,8 +123,17 @@ def wrapper_ns() -> float:
     return total / n - 60  # the bare call and loop, roughly
 
 
+def _dataset(name: str, batches: int) -> tuple[Dataset, int, Any]:  # type: ignore[type-arg]
+    """(dataset, batch size, collate_fn) for ``batches`` batches of ``name``."""
+    if name in WORK:
+        shape, dtype, bs = WORK[name]
+        return Tagged(shape, dtype, bs * batches), bs, None
+    w = WORKLOADS[name]
+    return w.make(CACHE, False, None, w.batch_size * batches), w.batch_size, w.collate_fn
+
+
 def run(name: str, batches: int, profile: bool, pin: bool = False) -> tuple[float, float, float, Acc, list[Acc]]:
-    shape, dtype, bs = WORK[name]
+    dataset, bs, collate_fn = _dataset(name, batches)
     acc: Acc = {}
     out = tempfile.mkdtemp(prefix="shmloader-path-")
     if profile:
@@ -137,8 +152,8 @@ def run(name: str, batches: int, profile: bool, pin: bool = False) -> tuple[floa
                     pickle.dump(worker_acc, f)
 
         _worker._serve = serve_and_dump  # type: ignore[assignment]
-    loader = shmloader.DataLoader(Tagged(shape, dtype, bs * batches), batch_size=bs, num_workers=2,
-                                  prefetch_factor=2, persistent_workers=True, multiprocessing_context="fork")
+    loader = shmloader.DataLoader(dataset, batch_size=bs, num_workers=2, prefetch_factor=2, persistent_workers=True,
+                                  multiprocessing_context="fork", collate_fn=collate_fn)
     for _ in loader:  # warm-up epoch: the ring exists, the workers are warm
         pass
     for v in acc.values():
@@ -170,7 +185,7 @@ def run(name: str, batches: int, profile: bool, pin: bool = False) -> tuple[floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("workload", nargs="?", default="tiny", choices=sorted(WORK))
+    parser.add_argument("workload", nargs="?", default="tiny", choices=sorted(set(WORK) | set(WORKLOADS)))
     parser.add_argument("--batches", type=int, default=6000)
     parser.add_argument("--pin", action="store_true", help="main process alone on CPU 0, workers on CPU 1")
     args = parser.parse_args()
