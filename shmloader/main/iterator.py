@@ -89,7 +89,7 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
         cap = self._num_workers * depth.prefetch  # tasks at once (torch's bound); memory_budget may give fewer slots
         self._sched = Scheduler(cap, self._num_workers, cap, in_order=loader.in_order)
         self._watch = Watch(depth, self._counters)
-        in_flight = self._num_workers * (depth.prefetch if depth.given else DEFAULT)  # torch's, with or without it given
+        in_flight = self._num_workers * (depth.prefetch if depth.given else DEFAULT)  # torch's, given or not
         self._broker = OverflowBroker(loader._shm_memory, loader._shm_memory_budget, loader.in_order, in_flight)
         plan: _state_layout.Plan | None = loader._shm_resume_plan
         self._delivery = Delivery(self._sched, self._broker, self._counters, self._iterable or has_state(self._dataset),
