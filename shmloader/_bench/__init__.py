@@ -102,8 +102,9 @@ def run(args: argparse.Namespace) -> tuple[list[Result], list[str]]:
     for w in workloads:
         batches = args.batches or (w.quick_batches if args.quick else w.batches)
         samples = (batches if w.epochs else batches * repeats + 8) * w.batch_size
-        steady = crowds != [0] and not w.epochs  # (--neighbours: each run a steady state of seconds)
-        if steady:
+        steady_s: dict[str, float] = {}  # (--neighbours: each run a steady state of seconds)
+        if crowds != [0] and not w.epochs:
+            steady_s = {"settle_s": _neighbours.SETTLE_S, "least_s": _neighbours.LEAST_S}
             samples = _neighbours.LONG * w.batch_size
         dataset = w.make(args.cache, args.quick, args.data, samples)
         # (loader, neighbours) -> round -> result
@@ -118,8 +119,7 @@ def run(args: argparse.Namespace) -> tuple[list[Result], list[str]]:
                 try:
                     with _neighbours.neighbours(n):
                         res = measure(w.name, ld.name, make, batches, repeats, args.step_ms / 1e3, epochs=w.epochs,
-                                      hold=w.hold, settle_s=_neighbours.SETTLE_S if steady else 0.0,
-                                      least_s=_neighbours.LEAST_S if steady else 0.0)
+                                      hold=w.hold, **steady_s)
                 except Exception as exc:  # a peer that cannot run this workload is reported, not fatal
                     notes.append(f"{w.name} / {ld.name}: failed: {type(exc).__name__}: {exc}")
                 else:
