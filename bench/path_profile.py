@@ -67,7 +67,7 @@ WORKER_STEPS = [
     (_produce.Producer, "_samples", "fetch samples (__getitem__)"),
     (_collate, "_stack_into_slot", "stack into the slot (torch.stack out=)"),
     (_collate.SlotWriter, "finish", "skeleton and leaf table"),
-    (_collate.SlotWriter, "leaf_id", "  of which tensors a collate_fn made, copied into the slot"),
+    (_collate.SlotWriter, "leaf_id", "  of which its tensors: found in the slot, or copied there (a collate_fn's)"),
     (_worker.Publisher, "publish", "publish (header, DONE, post; doorbell when async waits)"),
     (_produce.Producer, "produce", "produce: fetch + collate + finish"),
 ]

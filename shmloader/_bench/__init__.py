@@ -103,9 +103,9 @@ def run(args: argparse.Namespace) -> tuple[list[Result], list[str]]:
         batches = args.batches or (w.quick_batches if args.quick else w.batches)
         samples = (batches if w.epochs else batches * repeats + 8) * w.batch_size
         steady_s: dict[str, float] = {}  # (--neighbours: each run a steady state of seconds)
-        if crowds != [0] and not w.epochs:
+        if crowds != [0] and not w.epochs and not w.hold:
             steady_s = {"settle_s": _neighbours.SETTLE_S, "least_s": _neighbours.LEAST_S}
-            samples = _neighbours.LONG * w.batch_size
+            samples = _neighbours.steady_batches(repeats, batches) * w.batch_size
         dataset = w.make(args.cache, args.quick, args.data, samples)
         # (loader, neighbours) -> round -> result
         runs: dict[tuple[str, int], dict[int, Result]] = {(ld.name, n): {} for ld in loaders for n in crowds}

@@ -13,11 +13,17 @@ from typing import Iterator
 
 # A loop beside neighbours runs for minutes: the loader runs SETTLE_S untimed first (its depth
 # adapts; the scheduler spreads its processes and the neighbours over the CPUs, which a loader's
-# first tenth of a second does not show), then each repeat lasts LEAST_S at least.
+# first tenth of a second does not show), then each repeat lasts LEAST_S at least (workloads that
+# neither run in epochs nor keep every batch).
 SETTLE_S = 1.0
 LEAST_S = 1.0
-# The batches a dataset holds for that (each loader stops far short: 200k batches/s for 4 s)
-LONG = 2_000_000
+FASTEST = 500_000  # batches/s no loader reaches here: a dataset for that many a second is long enough
+
+
+def steady_batches(repeats: int, batches: int) -> int:
+    """The batches a dataset must hold for SETTLE_S and ``repeats`` repeats of LEAST_S at least,
+    each in whole runs of ``batches``."""
+    return int(FASTEST * (SETTLE_S + repeats * LEAST_S)) + repeats * batches + 8
 
 # The pids of the neighbours running now: not the loader's, so the measures of its process tree
 # (CPU, memory) leave them out.

@@ -36,7 +36,7 @@ from shmloader.wire.layout import Counter
 
 DEFAULT = 2  # torch's prefetch_factor when num_workers > 0 and none is given
 # The deepest an adaptive depth grows to (batches in flight per worker). Beside two CPU-bound
-# neighbours on 2 CPUs a loop of tiny batches that runs for seconds kept 46-66k batches/s at 64,
+# neighbours on 2 CPUs a loop of tiny batches that runs for seconds kept 61-66k batches/s at 64,
 # 55k at 32 and 17-46k at 16 (its rate alone: 130-136k); at 128, 45-53k (bench/RESULTS.md,
 # 2026-12-05, late night). Batches of 256 KiB stop at 7, where RING_BYTES ends.
 MOST = 64

@@ -193,11 +193,11 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
             if leases.released:
                 for slot in leases.take_released():
                     sched.give_back(slot)
-            if sched.waiting_count:
-                broker.grant(scope)
             stager = scope.stager
             if stager is not None:
                 scope.reap()
+            if sched.waiting_count:  # (after the reaped copies gave their grants back)
+                broker.grant(scope)
             if self._counters.batches >= self._watch.at:
                 cap = self._watch.look(scope.ring)
                 if cap is not None:
@@ -225,6 +225,8 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
                         self._goes_on = None
                         self._pending_error = error  # raised in its turn, after the staged batches
                         break
+            if sched.waiting_count:  # (grants the step's events dropped: stale epochs, errors)
+                broker.grant(scope)
             if broker.grow_to is not None and not sched.n_tasks and not (stager and stager.copying):
                 return _GROW
             if stager is not None and stager.staged:

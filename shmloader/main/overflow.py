@@ -44,6 +44,7 @@ from shmloader.wire.ring import Ring
 from shmloader.wire.shm import Mapping, create_memfd
 
 if TYPE_CHECKING:
+    from shmloader.main.scheduler import Task
     from shmloader.main.scope import RingScope
 
 
@@ -138,9 +139,10 @@ class OverflowBroker:
         self.budget = budget
         self.in_order = in_order
         # Overflow batches granted and not yet delivered, at most: torch's batches in flight
-        # (num_workers * prefetch_factor, torch's default when none was given). A depth grown for
-        # small batches may have num_workers * depth.MOST tasks out when batches outgrow their
-        # slots: each would ask for memory of its own, where torch's loader holds its default.
+        # (num_workers * prefetch_factor, torch's default when none was given; with it given the
+        # cap of tasks is as many, so this never binds). A depth grown for small batches may have
+        # num_workers * depth.MOST tasks out when batches outgrow their slots: each would ask for
+        # memory of its own, where torch's loader holds its default (_held_back).
         self.in_flight = in_flight
         self.grow_to: int | None = None  # a larger slot size, taken up once the ring drains
         self.growth_declined = False  # memory_budget had no room to grow; overflow carries large batches
@@ -203,8 +205,8 @@ class OverflowBroker:
                 sched.drop(slot)
                 scope.answer_memory(task.worker, slot, 0)
                 continue
-            if len(scope.grants) >= self.in_flight and not (self.in_order and task.seq == sched.rcvd_seq):
-                return  # (lowest seq first: the batch the loop waits for in order is never held back)
+            if self._held_back(scope, slot, task):
+                return  # (lowest seq first: the rest wait behind it; the next round looks again)
             size = round_up(task.needed, PAGE)
             if self.budget is not None and self.in_order and self._earlier_may_overflow(scope, task.seq):
                 return  # granting out of order could give an undeliverable later batch the room
@@ -225,6 +227,26 @@ class OverflowBroker:
                 scope.answer_memory(task.worker, slot, size, fd)
             finally:
                 os.close(fd)
+
+    def _held_back(self, scope: RingScope, slot: int, task: Task) -> bool:
+        """Whether ``slot``'s grant waits: ``in_flight`` granted batches are not yet delivered (a
+        batch taken for a device copy is delivered). In order, never the batch the loop waits
+        for, nor one its worker makes before a batch of a lower sequence number (queued behind
+        it: a task sent over the connection comes after tasks posted after it), which would then
+        never come."""
+        sched = scope.sched
+        if sum(1 for s in scope.grants if sched.state_of(s) != SlotState.LENT) < self.in_flight:
+            return False
+        if not self.in_order:
+            return True  # (the granted batches are delivered in any order: then this one's turn)
+        if task.seq == sched.rcvd_seq:
+            return False
+        for other in sched.tasks():
+            t = sched.task_of(other)
+            if (t is not None and t.worker == task.worker and t.epoch == task.epoch and t.seq < task.seq
+                    and sched.state_of(other) == SlotState.IN_FLIGHT):
+                return False
+        return True
 
     def _earlier_may_overflow(self, scope: RingScope, seq: int) -> bool:
         """Whether a task of this epoch before ``seq`` is still being made without overflow

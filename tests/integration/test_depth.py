@@ -154,19 +154,24 @@ class _Growing(tud.Dataset):  # type: ignore[type-arg]
         return torch.full((1024 if i < self.at else 1 << 18,), i, dtype=torch.int32)
 
 
+@pytest.mark.parametrize("in_order", [True, False])
 @pytest.mark.parametrize("persistent", [False, True])
-def test_a_depth_grown_for_small_batches_gives_larger_ones_torchs_ring(grows: None, persistent: bool) -> None:
+def test_a_depth_grown_for_small_batches_gives_larger_ones_torchs_ring(grows: None, persistent: bool,
+                                                                      in_order: bool) -> None:
     # The depth reaches its deepest on 4 KiB batches; then 4 MiB batches come. The tasks then out
     # (2 * MOST of them) each ask for memory of their own, but no more than torch's batches in
     # flight (2 * 2) hold it undelivered at once; the ring grows for them once they are in, and
     # it is torch's ring again (5 slots: never 2 * MOST + 1 of 4 MiB), this epoch and the next.
     big, small = 4 << 20, 100  # (bytes a large batch, and how many small batches an epoch begins with)
-    loader: Any = shmloader.DataLoader(_Growing(4 * (small + 2 * _depth.MOST + 50), at=4 * small), batch_size=4,
-                                       num_workers=2, persistent_workers=persistent)
+    n = small + 2 * _depth.MOST + 50
+    loader: Any = shmloader.DataLoader(_Growing(4 * n, at=4 * small), batch_size=4, num_workers=2,
+                                       persistent_workers=persistent, in_order=in_order)
     for epoch in range(2):
-        depths, slots = [], []
+        depths, slots, firsts = [], [], []
         for k, batch in enumerate(loader):
-            assert int(batch[0, 0]) == 4 * k and batch.shape[1] == (1024 if k < small else 1 << 18)
+            first = int(batch[0, 0])
+            firsts.append(first)
+            assert batch.shape[1] == (1024 if first < 4 * small else 1 << 18) and (first == 4 * k or not in_order)
             stats = loader.stats()
             assert stats.ring is not None
             depths.append(stats.depth)
@@ -175,6 +180,7 @@ def test_a_depth_grown_for_small_batches_gives_larger_ones_torchs_ring(grows: No
             ring = stats.ring.slots * (stats.ring.slot_bytes + 4096)  # (a header page a slot, at most)
             # torch's 4 in flight, the batch the loop waits for, and the one it holds
             assert loader._shm_memory.in_use - ring <= 6 * (big + 4096), (k, loader._shm_memory.in_use, ring)
+        assert sorted(firsts) == list(range(0, 4 * n, 4))  # (each batch once)
         if epoch == 0:
             assert max(depths) == _depth.MOST and slots[0] == 2 * _depth.MOST + 1
         assert depths[-1] == 2 and slots[-1] == 5, (depths[-5:], slots[-5:])
