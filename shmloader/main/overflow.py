@@ -206,7 +206,7 @@ class OverflowBroker:
                 scope.answer_memory(task.worker, slot, 0)
                 continue
             if self._held_back(scope, slot, task):
-                return  # (lowest seq first: the rest wait behind it; the next round looks again)
+                continue  # (a later one may be one the order needs; a round after a delivery looks again)
             size = round_up(task.needed, PAGE)
             if self.budget is not None and self.in_order and self._earlier_may_overflow(scope, task.seq):
                 return  # granting out of order could give an undeliverable later batch the room

@@ -30,9 +30,29 @@ class Table:
         return [s for s, (state, _) in self.slots.items() if state in (IN_FLIGHT, WAITING, READY)]
 
 
+    # (what OverflowBroker.grant does to the table)
+    epoch = 0
+
+    def waiting(self) -> list[int]:
+        return sorted((s for s, (state, _) in self.slots.items() if state == WAITING), key=lambda s: self.slots[s][1].seq)
+
+    def set_idle(self, slot: int) -> None:
+        pass
+
+    def granted(self, slot: int) -> None:
+        self.slots[slot] = (IN_FLIGHT, self.slots[slot][1])
+
+
 class Scope:
     def __init__(self, sched: Table, granted: list[int]) -> None:
         self.sched, self.grants = sched, {slot: (None, 1 << 20) for slot in granted}
+        self.answered: list[int] = []
+
+    def grant(self, slot: int, mm: Any, size: int) -> None:
+        self.grants[slot] = (mm, size)
+
+    def answer_memory(self, worker: int, slot: int, size: int, fd: int = -1) -> None:
+        self.answered.append(slot)
 
 
 def held(in_order: bool, slots: dict[int, tuple[SlotState, Task]], granted: list[int], slot: int,
@@ -90,3 +110,17 @@ def test_out_of_order_every_batch_waits_its_turn() -> None:
     # (the granted batches are delivered in any order, so a turn comes)
     slots = {**BASE, 10: (WAITING, t(0, 0))}
     assert held(False, slots, [11, 12, 13, 14], 10)
+
+
+def test_a_batch_held_back_does_not_hold_back_a_later_one_the_order_needs() -> None:
+    # Batch 5 (worker 1) waits its turn; batch 7 (worker 0) is made before worker 0's batch 1,
+    # which the loop waits for: 7 gets its memory though 5 came first.
+    slots = {**BASE, 10: (LENT, t(0, 0)), 11: (IN_FLIGHT, t(0, 1)), 16: (READY, t(0, 6)),
+             17: (WAITING, Task(0, 0, 7, None, 4096))}
+    slots[15] = (WAITING, Task(1, 0, 5, None, 4096))
+    scope: Any = Scope(Table(slots, rcvd_seq=1), [12, 13, 14, 16])
+    OverflowBroker(LoaderMemory(), None, True, 4).grant(scope)
+    assert scope.answered == [17] and 15 not in scope.grants
+    for mm, _ in scope.grants.values():
+        if mm is not None:
+            mm.close()
