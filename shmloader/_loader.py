@@ -78,7 +78,7 @@ def stats_of(loader: Any, it: Any) -> LoaderStats:
         ring_growths=c.ring_growths,
         worker_busy=() if it is None else it.worker_busy(),
         ring=None if it is None else it.occupancy(),
-        depth=loader._shm_depth.prefetch if loader.num_workers else 0,
+        depth=loader._shm_depth.now if loader.num_workers else 0,
         depth_why=loader._shm_depth.why if loader.num_workers else "num_workers=0: batches are made in the loop",
     )
 

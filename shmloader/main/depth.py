@@ -18,12 +18,16 @@ is a scheduler's, often a time slice: so the depth grows only while the mean blo
 ``WAIT_NS`` at least. Windows last ``WINDOW`` batches and ``SPAN_NS`` at least, so that their
 means are not one scheduler tick's.
 
-The ring is made for the deepest the depth may grow to (``ring_prefetch``), so growing it is
-one number in the scheduler (``Scheduler.set_cap``): no new ring, no drain. Small batches only:
-that ring holds at most ``RING_BYTES`` of slots, and it stays within ``memory_budget``
-(``budget.plan_ring`` gives fewer slots); batches too large for a deeper ring in that room keep
-torch's default, and so never more memory than torch's loader. Batches, their order and
-checkpoints do not depend on the depth: it only says how far ahead the sampler is drawn.
+The ring starts as torch's (``num_workers * 2 + 1`` slots), so an idle loader holds torch's
+ring and nothing more. The first time the depth grows, the ring is made again for the deepest
+the depth may reach (``ring_prefetch``): the growth path of larger batches (``Lifecycle.grow``:
+no task out, a new ring, every worker attaches), with more slots instead of larger ones, once.
+Growing further is one number in the scheduler (``Scheduler.set_cap``). Small batches only:
+that ring holds at most ``RING_BYTES`` of slots, and it stays within ``memory_budget`` (an
+eighth of it; ``budget.plan_ring`` may give fewer slots); batches too large for a deeper ring
+in that room keep torch's default, and so never more memory than torch's loader. Batches, their
+order and checkpoints do not depend on the depth: it only says how far ahead the sampler is
+drawn.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ DEFAULT = 2  # torch's prefetch_factor when num_workers > 0 and none is given
 # 55k at 32 and 17-46k at 16 (its rate alone: 130-136k); at 128, 45-53k (bench/RESULTS.md,
 # 2026-12-05, late night). Batches of 256 KiB stop at 7, where RING_BYTES ends.
 MOST = 64
-RING_BYTES = 4 << 20  # the most slot data a ring made deeper than torch's default may hold...
+RING_BYTES = 8 << 20  # the most slot data a ring made deeper than torch's default may hold...
 BUDGET_SHARE = 8  # ...and, under memory_budget, this fraction of it at most (the rest stays the batches')
 START = 32  # batches before the first window begins (a start-up's are not the steady state)
 WINDOW = 128  # batches a window lasts
@@ -61,7 +65,8 @@ class Depth:
         # held batches keep what torch's depth left them
         self.ring_bytes = RING_BYTES if budget is None else min(RING_BYTES, budget // BUDGET_SHARE)
         self.prefetch = prefetch_factor  # tasks per worker now (the scheduler's cap / num_workers)
-        self.most = prefetch_factor  # the deepest the current ring allows
+        self.holds = prefetch_factor  # the depth the current ring has slots for
+        self.most = prefetch_factor  # the deepest it may grow to with the current ring's batches
         self.why = (f"{prefetch_factor}, torch's default, until the loop waits on idle workers for "
                     f"{WAIT_NS // 1000} µs a wait or more (a scheduler's wait, beside CPU-bound neighbours)")
         self.begin(prefetch_factor)
@@ -75,38 +80,65 @@ class Depth:
         """An iterator begins. With ``prefetch_factor`` given, the loader's attribute is the depth
         (set again since, it counts from the next epoch, as in torch's loader)."""
         if self.given:
-            self.prefetch = self.most = prefetch_factor
+            self.prefetch = self.holds = self.most = prefetch_factor
             self.why = f"prefetch_factor={prefetch_factor} given: torch's meaning"
 
-    def ring_prefetch(self, num_workers: int, slot_bytes: int) -> int:
-        """The prefetch factor a ring of ``slot_bytes`` slots is planned for: the deepest the
-        depth may grow to in it (``RING_BYTES``, or an eighth of memory_budget when less; torch's
-        default at least), whatever it is now (a depth grown for small batches does not make a
-        ring of larger ones deeper)."""
-        if self.given:
-            return self.prefetch
+    @property
+    def now(self) -> int:
+        """The depth in effect (``stats().depth``): the one decided, or what the ring holds while
+        the deeper ring it outgrew is not made yet."""
+        return min(self.prefetch, self.holds)
+
+    @property
+    def outgrew(self) -> bool:
+        """The depth grew past what its ring has slots for: a deeper ring is wanted."""
+        return self.prefetch > self.holds
+
+    def deepest(self, num_workers: int, slot_bytes: int) -> int:
+        """The deepest the depth may grow to with slots of ``slot_bytes``: within ``RING_BYTES``
+        (or an eighth of memory_budget when less), ``MOST`` at most, torch's default at least."""
         room = (self.ring_bytes // slot_bytes - 1) // num_workers
         return max(DEFAULT, min(MOST, room))
 
-    def planned(self, num_workers: int, num_slots: int) -> int:
-        """A ring of ``num_slots`` was made (``memory_budget`` may have given fewer than asked):
-        the cap of tasks to start it with. A depth deeper than the ring allows comes down to it,
-        never below torch's default (a ring with fewer slots than that holds fewer tasks)."""
+    def ring_prefetch(self, num_workers: int, slot_bytes: int) -> int:
+        """The prefetch factor a ring of ``slot_bytes`` slots is planned for: the one given;
+        torch's default until the depth grew; once it grew, the deepest it may grow to
+        (``deepest``: a depth grown for small batches does not make a ring of larger ones
+        deeper)."""
+        if self.given:
+            return self.prefetch
+        return self.deepest(num_workers, slot_bytes) if self.prefetch > DEFAULT else DEFAULT
+
+    def planned(self, num_workers: int, num_slots: int, slot_bytes: int) -> int:
+        """A ring of ``num_slots`` slots of ``slot_bytes`` was made (``memory_budget`` may have
+        given fewer than ``ring_prefetch`` asked): the cap of tasks to start it with. A depth
+        deeper than the ring holds comes down to it, never below torch's default (a ring with
+        fewer slots than that holds fewer tasks). A ring the budget made smaller is as deep as
+        the depth goes; otherwise it may grow to ``deepest``, in a ring made again for it."""
         if self.given:
             return num_workers * self.prefetch
-        self.most = most = max(DEFAULT, (num_slots - 1) // num_workers)
+        slots_for = (num_slots - 1) // num_workers
+        self.holds = max(DEFAULT, slots_for)
+        short = slots_for < self.ring_prefetch(num_workers, slot_bytes)
+        self.most = most = self.holds if short else max(self.holds, self.deepest(num_workers, slot_bytes))
         if most <= DEFAULT and self.prefetch <= DEFAULT:
             self.why = (f"{self.prefetch}, torch's default: batches this large leave no room to deepen "
                         f"(a deeper ring holds at most {RING_BYTES >> 20} MiB, or an eighth of memory_budget)")
-        elif self.prefetch > most:  # (a ring of larger slots, after batches grew, or a budget's)
-            self.prefetch = most
-            self.why = f"{most}: the deepest this ring allows (its batches' size, memory_budget)"
+        elif self.prefetch > self.holds:  # (a ring of larger slots, after batches grew, or a budget's)
+            self.prefetch = self.holds
+            self.why = f"{self.holds}: the deepest this ring allows (its batches' size, memory_budget)"
         return num_workers * self.prefetch
+
+    def declined(self) -> None:
+        """memory_budget had no room for the deeper ring: the depth stays what the ring holds."""
+        self.prefetch = self.most = self.holds
+        self.why = (f"{self.holds}: memory_budget has no room for a deeper ring beside the memory "
+                    "the loader holds now")
 
     def deepen(self, blocked: float, working: float, wait_ns: float) -> int | None:
         """A window ended in which the loop was blocked ``blocked`` of its time, for ``wait_ns``
         a wait on average, and the workers busy ``working`` of theirs: the new depth when it
-        grows, else None."""
+        grows, else None. Past what the ring holds (``outgrew``), the ring is made again."""
         if (self.given or self.prefetch >= self.most or blocked < BLOCKED or working >= IDLE
                 or wait_ns < WAIT_NS):
             return None

@@ -207,7 +207,7 @@ class Lifecycle:
             raise
         self.scope = scope = RingScope(ring, sched, self.pool, self.broker.memory,
                                        RingUse(pinned, stager, not self.delivery.noting))
-        sched.set_cap(settings.depth.planned(sched.num_workers, geometry.num_slots))
+        sched.set_cap(settings.depth.planned(sched.num_workers, geometry.num_slots, geometry.data_bytes))
         self.attaching = dict(enumerate(self.pool.procs))
         for wid in range(sched.num_workers):
             pending = -1
@@ -280,17 +280,19 @@ class Lifecycle:
 
     # --------------------------------------------------------------- grow
     def grow(self, old: RingScope, check: Callable[[], None]) -> Steps:
-        """Replace the drained ring (``old``) by one with larger slots (``broker.grow_to``); every
-        worker attaches to it. The old ring's slots the user does not hold go back to the system
-        at once. Under memory_budget only when the new ring, and room for one batch to overflow,
-        fit beside what is still held (the old ring's held slots); otherwise overflow keeps
-        carrying large batches."""
+        """Replace the drained ring (``old``) by one with larger slots (``broker.grow_to``), or more
+        of them (the depth outgrew it: ``Depth.outgrew``); every worker attaches to it. The old
+        ring's slots the user does not hold go back to the system at once. Under memory_budget
+        only when the new ring, and room for one batch to overflow, fit beside what is still
+        held (the old ring's held slots); otherwise overflow keeps carrying large batches, and
+        the depth stays what the ring holds."""
         broker, budget = self.broker, self.settings.budget
         size = broker.take_growth()
-        # As many slots as now, or fewer where a ring deepened for smaller batches would pass RING_BYTES
-        workers = self.sched.num_workers
-        deepest = workers * self.settings.depth.ring_prefetch(workers, size) + 1
-        g = RingGeometry(workers, min(self.sched.num_slots, deepest), size)
+        # As many slots as now, or fewer where a ring deepened for smaller batches would pass
+        # RING_BYTES; more when the depth outgrew the ring (its first growth: main.depth)
+        workers, depth = self.sched.num_workers, self.settings.depth
+        deepest = workers * depth.ring_prefetch(workers, size) + 1
+        g = RingGeometry(workers, deepest if depth.outgrew else min(self.sched.num_slots, deepest), size)
         keep = old.held()  # the old ring's slots the user still views (nothing is copying: it drained)
         og = old.ring.geometry
         held = og.control_bytes + len(keep) * og.slot_stride if keep else 0
@@ -299,7 +301,10 @@ class Lifecycle:
         # (The old ring counts what it will keep: its held slots.)
         others = broker.memory.in_use - old.share.nbytes
         if budget is not None and g.total_bytes + size + held + others > budget:
-            broker.growth_declined = True
+            if size > old.ring.data_bytes:
+                broker.growth_declined = True
+            if depth.outgrew:
+                depth.declined()
             return
         ring = Ring(g)
         try:
@@ -317,7 +322,7 @@ class Lifecycle:
             self.sched.push(wid, RESIZE_TASK)
         try:
             self.scope = scope = RingScope(ring, self.sched, self.pool, self.broker.memory, old.use)
-            self.sched.set_cap(self.settings.depth.planned(workers, g.num_slots))
+            self.sched.set_cap(depth.planned(workers, g.num_slots, g.data_bytes))
             self.attaching = dict(enumerate(self.pool.procs))
             for wid in range(self.sched.num_workers):
                 # One that died already (unseen: liveness is checked before sleeping) is replaced

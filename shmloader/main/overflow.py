@@ -144,7 +144,7 @@ class OverflowBroker:
         # num_workers * depth.MOST tasks out when batches outgrow their slots: each would ask for
         # memory of its own, where torch's loader holds its default (_held_back).
         self.in_flight = in_flight
-        self.grow_to: int | None = None  # a larger slot size, taken up once the ring drains
+        self.grow_to: int | None = None  # the slot size of a new ring, made once the ring drains
         self.growth_declined = False  # memory_budget had no room to grow; overflow carries large batches
         self.awaiting_room = False  # a grant waits for memory_budget: freed memory rings the doorbell
 
@@ -162,6 +162,11 @@ class OverflowBroker:
         if self.growth_declined or target <= slot_bytes:
             return
         self.grow_to = max(self.grow_to or 0, target)
+
+    def want_deeper(self, slot_bytes: int) -> None:
+        """The depth outgrew the ring (``Depth.outgrew``): a ring with more slots of ``slot_bytes``
+        (or larger, if a batch asked for that too) once the ring drains."""
+        self.grow_to = max(self.grow_to or 0, slot_bytes)
 
     def take_growth(self) -> int:
         """The slot size the ring grows to now (asked for by ``want_growth``); asked no more."""

@@ -50,7 +50,7 @@ def window(watch: Watch, r: Any, clock: Clock, blocked: float, busy: float, wait
 
 def started(depth: Depth, clock: Clock, r: Any) -> Watch:
     """A watch on ``r`` whose first window has begun (the first look only starts it)."""
-    depth.planned(len(r.counters), 2 * MOST + 1)
+    depth.planned(len(r.counters), 2 * MOST + 1, 4096)
     watch = Watch(depth, Counters())
     assert window(watch, r, clock, blocked=1.0, busy=0.0) is None
     return watch
@@ -134,33 +134,64 @@ def test_a_window_across_another_ring_or_a_replaced_worker_starts_over(clock: Cl
 
 def test_rings_deeper_than_torchs_are_for_small_batches_only() -> None:
     depth = Depth(DEFAULT, given=False)
-    assert depth.ring_prefetch(2, 4096) == MOST  # 2 * MOST + 1 slots of 4 KiB (room for 1,023)
-    assert depth.ring_prefetch(2, 256 * 1024) == 7  # 15 slots of 256 KiB: within RING_BYTES
-    assert (2 * 7 + 1) * 256 * 1024 <= RING_BYTES < (2 * 8 + 1) * 256 * 1024
-    assert depth.ring_prefetch(2, 1 << 20) == DEFAULT  # torch's ring, never more
-    assert depth.ring_prefetch(8, 1 << 20) == DEFAULT
-    depth.prefetch = MOST  # grown for small batches: larger ones get torch's ring all the same
-    assert depth.ring_prefetch(2, 1 << 20) == DEFAULT and depth.ring_prefetch(2, 256 * 1024) == 7
+    assert depth.deepest(2, 4096) == MOST  # 2 * MOST + 1 slots of 4 KiB (room for 2,047)
+    assert depth.deepest(2, 256 * 1024) == 15  # 31 slots of 256 KiB: within RING_BYTES
+    assert (2 * 15 + 1) * 256 * 1024 <= RING_BYTES < (2 * 16 + 1) * 256 * 1024
+    assert depth.deepest(2, 1 << 20) == 3  # 7 slots of 1 MiB
+    assert depth.deepest(2, 2 << 20) == DEFAULT  # torch's ring, never more
+    assert depth.deepest(8, 1 << 20) == DEFAULT
+    # A ring is torch's until the depth grew; then it is made for the deepest, for its batches'
+    # size (a depth grown for small batches gives larger ones torch's ring all the same)
+    assert depth.ring_prefetch(2, 4096) == depth.ring_prefetch(2, 256 * 1024) == DEFAULT
+    depth.prefetch = 2 * DEFAULT
+    assert depth.ring_prefetch(2, 4096) == MOST and depth.ring_prefetch(2, 256 * 1024) == 15
+    assert depth.ring_prefetch(2, 2 << 20) == DEFAULT
 
 
 def test_under_a_budget_a_deeper_ring_takes_an_eighth_of_it_at_most() -> None:
-    assert Depth(DEFAULT, given=False, budget=64 << 20).ring_prefetch(2, 4096) == MOST  # (4 MiB: all of it)
-    assert Depth(DEFAULT, given=False, budget=8 << 20).ring_prefetch(2, 256 * 1024) == DEFAULT  # 1 MiB: torch's
-    assert Depth(DEFAULT, given=False, budget=16 << 20).ring_prefetch(2, 256 * 1024) == 3  # 2 MiB: 7 slots
+    assert Depth(DEFAULT, given=False, budget=128 << 20).deepest(2, 4096) == MOST  # (8 MiB: all of it)
+    assert Depth(DEFAULT, given=False, budget=8 << 20).deepest(2, 256 * 1024) == DEFAULT  # 1 MiB: torch's
+    assert Depth(DEFAULT, given=False, budget=16 << 20).deepest(2, 256 * 1024) == 3  # 2 MiB: 7 slots
+
+
+def test_the_first_growth_outgrows_torchs_ring_and_the_deeper_ring_holds_the_rest(clock: Clock) -> None:
+    depth, r = Depth(DEFAULT, given=False), ring()
+    assert depth.planned(2, 5, 4096) == 2 * DEFAULT  # torch's ring: an idle loader holds nothing more
+    assert (depth.holds, depth.most) == (DEFAULT, MOST) and not depth.outgrew
+    watch = Watch(depth, Counters())
+    assert window(watch, r, clock, blocked=1.0, busy=0.0) is None  # (the first look starts a window)
+    assert window(watch, r, clock, blocked=1.0, busy=0.1) == 2 * 4
+    assert depth.outgrew and depth.ring_prefetch(2, 4096) == MOST  # a ring made again, for the deepest
+    assert depth.planned(2, 2 * MOST + 1, 4096) == 2 * 4  # (made: the depth as grown)
+    assert not depth.outgrew and depth.holds == depth.most == MOST
+    assert window(watch, ring(), clock, blocked=1.0, busy=0.1) is None  # (another ring: a window anew)
+    assert window(watch, r, clock, blocked=1.0, busy=0.1) is None
+    assert window(watch, r, clock, blocked=1.0, busy=0.1) == 2 * 8 and not depth.outgrew  # one number now
+
+
+def test_a_deeper_ring_memory_budget_declined_keeps_the_depth_the_ring_holds() -> None:
+    depth = Depth(DEFAULT, given=False, budget=64 << 20)
+    depth.planned(2, 5, 4096)
+    depth.prefetch = 4
+    assert depth.outgrew
+    depth.declined()
+    assert (depth.prefetch, depth.most, depth.outgrew) == (DEFAULT, DEFAULT, False)
+    assert depth.why == ("2: memory_budget has no room for a deeper ring beside the memory the loader holds "
+                         "now")
 
 
 def test_a_ring_with_fewer_slots_lowers_the_depth_and_says_why() -> None:
     depth = Depth(DEFAULT, given=False)
     depth.prefetch = 8
-    assert depth.planned(2, 9) == 2 * 4  # (memory_budget, or a ring grown for larger batches)
+    assert depth.planned(2, 9, 1 << 20) == 2 * 4  # (a ring grown for larger batches, or memory_budget's)
     assert depth.prefetch == depth.most == 4
     assert depth.why == "4: the deepest this ring allows (its batches' size, memory_budget)"
-    assert depth.planned(2, 3) == 2 * DEFAULT  # a budget's ring of 3: never below torch's depth
+    assert depth.planned(2, 3, 4096) == 2 * DEFAULT  # a budget's ring of 3: never below torch's depth
     assert depth.prefetch == depth.most == DEFAULT
     fresh = Depth(DEFAULT, given=False)
-    assert fresh.planned(2, 5) == 4
+    assert fresh.planned(2, 5, 2 << 20) == 4
     assert "leave no room to deepen" in fresh.why
-    assert Depth(3, given=True).planned(2, 4) == 2 * 3  # (torch's cap: the ring's slots hold fewer)
+    assert Depth(3, given=True).planned(2, 4, 4096) == 2 * 3  # (torch's cap: the ring's slots hold fewer)
 
 
 def test_a_pickled_depth_starts_from_torchs_default_or_the_one_given() -> None:
