@@ -42,9 +42,13 @@ DEFAULT = 2  # torch's prefetch_factor when num_workers > 0 and none is given
 # The deepest an adaptive depth grows to (batches in flight per worker). Beside two CPU-bound
 # neighbours on 2 CPUs a loop of tiny batches that runs for seconds kept 61-66k batches/s at 64,
 # 55k at 32 and 17-46k at 16 (its rate alone: 130-136k); at 128, 45-53k (bench/RESULTS.md,
-# 2026-12-05, late night). Batches of 256 KiB stop at 7, where RING_BYTES ends.
+# 2026-12-05, late night). Batches of 256 KiB stop at 15, where RING_BYTES ends.
 MOST = 64
-RING_BYTES = 8 << 20  # the most slot data a ring made deeper than torch's default may hold...
+# The most slot data a ring made deeper than torch's default may hold (only once the depth grew:
+# an idle loader keeps torch's ring). Beside two neighbours, batches of 256 KiB kept 27-28% of
+# their rate alone at 4 MiB (a depth of 7) and 34-41% at 8 MiB (15) (bench/RESULTS.md,
+# 2026-12-05, night)...
+RING_BYTES = 8 << 20
 BUDGET_SHARE = 8  # ...and, under memory_budget, this fraction of it at most (the rest stays the batches')
 START = 32  # batches before the first window begins (a start-up's are not the steady state)
 WINDOW = 128  # batches a window lasts
