@@ -23,8 +23,10 @@ NOTE [ What a resume restores, in order ]
 2. The sampler is put where the snapshot was: a stateful index sampler or its iterator
    (torchdata's, or one with ``state_dict()``/``load_state_dict()``) loads its own state;
    otherwise its first k batches of indices are drawn and dropped (nothing is loaded), and
-   those it had given ahead of the consumer are drawn and kept.
-3. The RNG is put back as ``iter()`` found it.
+   those it had given ahead of the consumer when the state was taken are drawn and kept (and
+   its end, if it had ended: torch's RandomSampler draws a permutation there).
+3. The RNG is put back as ``iter()`` found it, before any task is dispatched: what the sampler
+   draws from here on, the run the state was taken from drew after the state.
 4. Datasets: every worker starts from its snapshot (torchdata's worker snapshot: the dataset's
    ``state_dict()``, and for an IterableDataset its iterator's and whether its shard ended),
    loaded in torchdata's order: ``dataset.load_state_dict``, ``iter(dataset)``, then the
@@ -123,10 +125,15 @@ class Snapshots:
             self.taken = it.progress()
 
     def checkpoint(self, it: Progressing) -> tuple[Progress, int]:
+        """The progress at the latest snapshot and the batches since; with the sampler's pulls as
+        they are now, when the sampling RNG is read for the state (``rng_now``): a resume draws
+        that many before it puts the RNG back, so that a draw the sampler makes at its end lands
+        on the same side of ``rng_now`` as in the run the state was taken from."""
         live = it.progress()
         if self.taken is None or live.finished:
             return live, 0
-        return self.taken, live.consumed - self.taken.consumed
+        taken = dataclasses.replace(self.taken, pulled=live.pulled, drained=live.drained)
+        return taken, live.consumed - taken.consumed
 
 
 class SamplerPulls:
@@ -222,10 +229,12 @@ def position(index_sampler: Any, sampler_iter: Any, plan: Plan, iterable: bool,
             for _ in range(plan.below):
                 if next(inner, _DONE) is _DONE:
                     break
-            # The batches it had given ahead of the consumer are drawn now too, and kept: what it
-            # drew from the RNG for them (torch's RandomSampler: its seed, and at its end one more
-            # permutation) was drawn before the state was taken, as now.
+            # The batches it had given ahead of the consumer are drawn now too, and kept, and its
+            # end if it had ended: what it drew from the RNG for them (torch's RandomSampler: its
+            # seed, and at its end one more permutation) was drawn before the state was taken.
             ahead = list(itertools.islice(inner, max(0, plan.pulled - plan.below)))
+            if plan.drained:
+                ahead.extend(inner)  # (nothing more: its end is reached, and drawn for, now)
             if ahead:
                 inner = itertools.chain(ahead, inner)
         if pulls is not None:

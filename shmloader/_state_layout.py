@@ -61,6 +61,7 @@ class Progress:
     in_process: tuple[Any, Any] = (None, None)  # num_workers=0: (dataset_state, fetcher_state)
     ended: frozenset[int] = frozenset()  # workers whose shard ended (an IterableDataset's)
     earlier: frozenset[int] = frozenset()  # workers whose snapshot is of an earlier epoch (persistent workers)
+    drained: bool = False  # the sampler ended: a pull after its last batch raised StopIteration
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +79,7 @@ class Plan:
     step: int  # batches consumed at the snapshot
     since: int  # consumed after it: produced again and dropped
     pulled: int  # batches the sampler had given when the state was taken (the workers prefetch)
+    drained: bool  # ...and whether it had ended then (torch's RandomSampler draws once more at its end)
     below: int  # map-style: the sampler's batches to skip
     ahead: tuple[int, ...]  # in_order=False: tasks above ``below`` already consumed
     sampler_states: tuple[Any, Any]
@@ -120,7 +122,7 @@ class Plan:
             epoch=int(own.get("epoch", 0)), fresh=bool(own.get("fresh", True)),
             base_seed=main.get("_base_seed"), rng_start=rng["rng_start"], rng_now=rng["rng_now"],
             finished=finished, started=bool(own.get("started", True)), num_workers=num_workers, step=step, since=since,
-            pulled=int(own.get("pulled", 0)),
+            pulled=int(own.get("pulled", 0)), drained=bool(own.get("drained", False)),
             below=int(own.get("below", main.get("_sampler_iter_yielded", step))),
             ahead=tuple(own.get("ahead", ())),
             sampler_states=(main.get("_sampler_iter_state"), main.get("_index_sampler_state")),
@@ -160,6 +162,7 @@ def state_dict_of(loader: Any, start: EpochStart, mark: tuple[Progress, int], no
     below = progress.consumed if progress.below < 0 else progress.below
     own = {"version": VERSION, "epoch": start.epoch, "fresh": start.fresh, "rng_start": encode_rng(start.rng),
            "rng_now": encode_rng(now), "pulled": 0 if iterable else progress.pulled, "below": below,
+           "drained": not iterable and progress.drained,
            "ahead": list(progress.ahead),
            "started": started}
     iter_state, sampler_state = progress.sampler_states

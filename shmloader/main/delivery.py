@@ -240,14 +240,16 @@ class Delivery:
 
     def progress(self, consumed: int, finished: bool, pulled: int, sampler_states: tuple[Any, Any]) -> Progress:
         """The epoch's ``Progress``: what the iterator says (batches consumed, StopIteration raised,
-        batches of indices drawn, a stateful sampler's states) with what delivery kept."""
+        batches of indices drawn, a stateful sampler's states) with what delivery kept, and
+        whether the sampler ended (the scheduler's ``exhausted``: a map dataset's has no other way)."""
         seqs = self.consumed
         epoch = self.sched.epoch
         return Progress(
             consumed, finished, pulled, {w: state for w, (state, _) in self.dataset_states.items()}, self.last_worker,
             sampler_states, -1 if seqs is None else seqs.below, () if seqs is None else tuple(sorted(seqs.ahead)),
             ended=frozenset(self.ended),
-            earlier=frozenset(w for w, (_, at) in self.dataset_states.items() if at != epoch))
+            earlier=frozenset(w for w, (_, at) in self.dataset_states.items() if at != epoch),
+            drained=bool(self.sched.exhausted))
 
     def shard_state(self, scope: RingScope, wid: int) -> tuple[bytes, bool]:
         """Where a replacement of worker ``wid`` resumes: the snapshot its dataset stored after the

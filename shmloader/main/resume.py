@@ -28,14 +28,19 @@ class RingCheckpoint:
     after_replay: Callable[[], None] | None  # (a resume's: _checkpoint calls it)
 
     def _resume(self, loader: Any, plan: _state_layout.Plan) -> None:
-        """Start where ``plan``'s snapshot was (``_checkpoint``'s NOTE); the RNG is put back once
-        the batches after it were made again (``after_replay``): the sampler draws for them."""
-        self.after_replay = _checkpoint.resume_rng(loader, plan)
+        """Start where ``plan``'s snapshot was (``_checkpoint``'s NOTE). The sampler draws what it
+        had drawn when the state was taken, then the RNG is put back, before any task is
+        dispatched: a pull past that point (its end's draw included) is one the run the state was
+        taken from made after it. Made again from its start, the RNG is put back after that
+        (``after_replay``)."""
+        put_back = _checkpoint.resume_rng(loader, plan)
         if not self._delivery.resume_from(plan, _checkpoint.plan_keeps_position(plan, self._dataset, self._iterable)):
+            self.after_replay = put_back
             return  # (its epoch ended, or it is made again from its start)
         self._sched.resume_after(plan.active(self._num_workers), plan.last_worker if loader.in_order else None)
         self._pulled_before = plan.below
-        self._sampler_iter = _checkpoint.position(self._index_sampler, self._sampler_iter, plan, self._iterable, None)
+        self._sampler_iter = _checkpoint.position(self._index_sampler, self._sampler_iter, plan, self._iterable,
+                                                  put_back)
         self._num_yielded = plan.step
 
     def progress(self) -> _state_layout.Progress:

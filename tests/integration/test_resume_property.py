@@ -18,6 +18,7 @@ import dataclasses
 import pickle
 from typing import Any, Callable
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -173,3 +174,33 @@ def test_resumes_equal_torchs_uninterrupted_run(run: Run) -> None:
     if not run.in_order:  # ready first: each epoch's batches, each exactly once
         want, got = [sorted(epoch) for epoch in want], [sorted(epoch) for epoch in got]
     assert got == want, (run, got, want)
+
+
+class Count(Dataset[list[int]]):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> list[int]:
+        return [i]
+
+
+@pytest.mark.parametrize("n", [14, 15])  # (15: the sampler's end is a pull of its own, after the last batch)
+@pytest.mark.parametrize("cut", [7, 9, 11])  # events: the second epoch's 1st, 3rd and 5th batch
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("every", [1, 2])
+def test_a_samplers_end_draws_on_the_same_side_of_the_state_as_in_the_run(n: int, cut: int, persistent: bool,
+                                                                          every: int) -> None:
+    # torch's RandomSampler draws one more permutation from the generator at its end. The state
+    # holds the generator as it was when taken: a resume must draw that end before it puts the
+    # generator back if the run had, and after it if not, or every later epoch is shuffled anew.
+    def factory(cls: Any) -> Callable[[], Any]:
+        def make() -> Any:
+            kw: dict[str, Any] = {"snapshot_every_n_steps": every} if cls is shmloader.DataLoader else {}
+            return cls(Count(n), batch_size=BS, num_workers=2, persistent_workers=persistent, shuffle=True,
+                       generator=torch.Generator().manual_seed(7), **kw)
+        return make
+
+    assert interrupted(factory(shmloader.DataLoader), {cut}) == uninterrupted(factory(torch.utils.data.DataLoader))
