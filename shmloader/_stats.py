@@ -57,8 +57,9 @@ class RingOccupancy:
     """Where the ring's slots are right now."""
 
     slots: int
-    """Slots in the ring: ``num_workers * prefetch_factor + 1`` (the deepest the depth may grow
-    to, when it adapts) unless ``memory_budget`` lowered it."""
+    """Slots in the ring: ``num_workers * prefetch_factor + 1`` unless ``memory_budget`` lowered
+    it. When the depth adapts: torch's default (2) until it first grows, then the deepest it may
+    grow to."""
     slot_bytes: int
     """Bytes of one slot's data region."""
     free: int
@@ -92,8 +93,8 @@ class LoaderStats:
     overflow_batches: int
     """Batches that did not fit a ring slot and came through overflow shared memory (still zero-copy)."""
     ring_growths: int
-    """Times the ring replaced its slots by larger ones after oversized batches (``ring.slot_bytes``
-    is the current size)."""
+    """Times the ring was made again: with larger slots after oversized batches (``ring.slot_bytes``
+    is the current size), or with more of them when an adaptive depth first grew past torch's."""
     worker_busy: tuple[float, ...]
     """Per worker, the fraction of time since it started that it spent producing batches."""
     ring: RingOccupancy | None

@@ -238,10 +238,11 @@ class Delivery:
             self.consumed = ConsumedSeqs(plan.below, plan.ahead)
         return True
 
-    def progress(self, consumed: int, finished: bool, pulled: int, sampler_states: tuple[Any, Any]) -> Progress:
+    def progress(self, consumed: int, finished: bool, pulled: int, drained: bool,
+                 sampler_states: tuple[Any, Any]) -> Progress:
         """The epoch's ``Progress``: what the iterator says (batches consumed, StopIteration raised,
-        batches of indices drawn, a stateful sampler's states) with what delivery kept, and
-        whether the sampler ended (the scheduler's ``exhausted``: a map dataset's has no other way)."""
+        batches of indices drawn, whether the sampler ended, a stateful sampler's states) with what
+        delivery kept."""
         seqs = self.consumed
         epoch = self.sched.epoch
         return Progress(
@@ -249,7 +250,7 @@ class Delivery:
             sampler_states, -1 if seqs is None else seqs.below, () if seqs is None else tuple(sorted(seqs.ahead)),
             ended=frozenset(self.ended),
             earlier=frozenset(w for w, (_, at) in self.dataset_states.items() if at != epoch),
-            drained=bool(self.sched.exhausted))
+            drained=drained)
 
     def shard_state(self, scope: RingScope, wid: int) -> tuple[bytes, bool]:
         """Where a replacement of worker ``wid`` resumes: the snapshot its dataset stored after the

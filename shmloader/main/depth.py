@@ -71,6 +71,7 @@ class Depth:
         self.prefetch = prefetch_factor  # tasks per worker now (the scheduler's cap / num_workers)
         self.holds = prefetch_factor  # the depth the current ring has slots for
         self.most = prefetch_factor  # the deepest it may grow to with the current ring's batches
+        self.refused = False  # memory_budget had no room for a deeper ring: this loader asks no more
         self.why = (f"{prefetch_factor}, torch's default, until the loop waits on idle workers for "
                     f"{WAIT_NS // 1000} µs a wait or more (a scheduler's wait, beside CPU-bound neighbours)")
         self.begin(prefetch_factor)
@@ -117,13 +118,14 @@ class Depth:
         """A ring of ``num_slots`` slots of ``slot_bytes`` was made (``memory_budget`` may have
         given fewer than ``ring_prefetch`` asked): the cap of tasks to start it with. A depth
         deeper than the ring holds comes down to it, never below torch's default (a ring with
-        fewer slots than that holds fewer tasks). A ring the budget made smaller is as deep as
-        the depth goes; otherwise it may grow to ``deepest``, in a ring made again for it."""
+        fewer slots than that holds fewer tasks). A ring the budget made smaller, or any once the
+        budget refused a deeper one (``declined``), is as deep as the depth goes; otherwise it may
+        grow to ``deepest``, in a ring made again for it."""
         if self.given:
             return num_workers * self.prefetch
         slots_for = (num_slots - 1) // num_workers
         self.holds = max(DEFAULT, slots_for)
-        short = slots_for < self.ring_prefetch(num_workers, slot_bytes)
+        short = self.refused or slots_for < self.ring_prefetch(num_workers, slot_bytes)
         self.most = most = self.holds if short else max(self.holds, self.deepest(num_workers, slot_bytes))
         if most <= DEFAULT and self.prefetch <= DEFAULT:
             self.why = (f"{self.prefetch}, torch's default: batches this large leave no room to deepen "
@@ -134,7 +136,9 @@ class Depth:
         return num_workers * self.prefetch
 
     def declined(self) -> None:
-        """memory_budget had no room for the deeper ring: the depth stays what the ring holds."""
+        """memory_budget had no room for the deeper ring: the depth stays what the ring holds, and
+        later epochs' rings do not ask again (each ask drains the ring)."""
+        self.refused = True
         self.prefetch = self.most = self.holds
         self.why = (f"{self.holds}: memory_budget has no room for a deeper ring beside the memory "
                     "the loader holds now")

@@ -119,6 +119,7 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
         batches = batches_of(self._index_sampler, self._sampler_iter)
         self._sampler_iter = _checkpoint.pulled_from(self._index_sampler, batches, self._iterable, self)
         self._pulled_before = 0  # batches of indices a resume drew before this iterator's first dispatch
+        self._drawn = (0, False)  # (what a resume's positioning drew, to the sampler's end or not)
         self.finished = False  # this epoch's StopIteration was raised
         self._failed_batches = 0
         self._pending_error = None  # (an error staged behind batches of an epoch left early is that epoch's)
@@ -230,7 +231,8 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
                         break
             if sched.waiting_count:  # (grants the step's events dropped: stale epochs, errors)
                 broker.grant(scope)
-            if broker.grow_to is not None and not sched.n_tasks and not (stager and stager.copying):
+            if (broker.grow_to is not None and not sched.n_tasks and not (stager and stager.copying)
+                    and not (sched.exhausted and not self._persistent_workers)):  # (the epoch's ring is done)
                 return _GROW
             if stager is not None and stager.staged:
                 return delivery.pop_staged(stager)

@@ -169,7 +169,8 @@ class OverflowBroker:
         self.grow_to = max(self.grow_to or 0, slot_bytes)
 
     def take_growth(self) -> int:
-        """The slot size the ring grows to now (asked for by ``want_growth``); asked no more."""
+        """The slot size the ring grows to now (asked for by ``want_growth`` or ``want_deeper``);
+        asked no more."""
         size, self.grow_to = self.grow_to, None
         assert size is not None
         return size

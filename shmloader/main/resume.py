@@ -23,6 +23,7 @@ class RingCheckpoint:
     _sampler_iter: Any
     _failed_batches: int
     _pulled_before: int  # batches of indices a resume drew before this iterator's first dispatch
+    _drawn: tuple[int, bool]  # what a resume's positioning drew from the sampler: (batches, its end)
     _snapshots: _checkpoint.Snapshots
     finished: bool  # this epoch's StopIteration was raised
     after_replay: Callable[[], None] | None  # (a resume's: _checkpoint calls it)
@@ -39,18 +40,23 @@ class RingCheckpoint:
             return  # (its epoch ended, or it is made again from its start)
         self._sched.resume_after(plan.active(self._num_workers), plan.last_worker if loader.in_order else None)
         self._pulled_before = plan.below
+        self._drawn = (plan.pulled, plan.drained)
         self._sampler_iter = _checkpoint.position(self._index_sampler, self._sampler_iter, plan, self._iterable,
                                                   put_back)
         self._num_yielded = plan.step
 
     def progress(self) -> _state_layout.Progress:
-        """Where this epoch is, for a checkpoint: batches consumed (yielded, or raised), and each
-        worker's snapshot after its last delivered batch or end of shard."""
+        """Where this epoch is, for a checkpoint: batches consumed (yielded, or raised), each
+        worker's snapshot after its last delivered batch or end of shard, and what the sampler
+        has drawn: dispatched, or drawn by a resume's positioning and not dispatched yet (the
+        RNG is already past it)."""
         consumed = self._num_yielded + self._failed_batches
         seqs = self._delivery.consumed
         dispatched = self._sched.send_seq
         pulled = self._pulled_before + dispatched if seqs is None else seqs.original(dispatched)
-        return self._delivery.progress(consumed, self.finished, pulled,
+        drawn, drained = self._drawn
+        return self._delivery.progress(consumed, self.finished, max(pulled, drawn),
+                                       drained or bool(self._sched.exhausted),
                                        _checkpoint.sampler_states(self._sampler_iter,
                                                                   consumed if seqs is None else seqs.below))
 

@@ -204,3 +204,41 @@ def test_a_samplers_end_draws_on_the_same_side_of_the_state_as_in_the_run(n: int
         return make
 
     assert interrupted(factory(shmloader.DataLoader), {cut}) == uninterrupted(factory(torch.utils.data.DataLoader))
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("prefetch_factor", [None, 4])
+def test_a_state_of_a_resumed_iterator_before_its_first_batch_counts_what_the_resume_drew(
+        persistent: bool, prefetch_factor: int | None) -> None:
+    # The first state is taken after the second epoch's first batch, while the workers have
+    # drawn the epoch's indices to the sampler's end. A resumed iterator draws that much at once
+    # (the RNG is past it), then dispatches: a state it gives before its first batch counts what
+    # it drew, or the next resume draws the sampler's end again and shuffles the third epoch anew.
+    def factory(cls: Any) -> Callable[[], Any]:
+        def make() -> Any:
+            kw: dict[str, Any] = {} if prefetch_factor is None else {"prefetch_factor": prefetch_factor}
+            return cls(Count(N), batch_size=BS, num_workers=2, persistent_workers=persistent, shuffle=True,
+                       generator=torch.Generator().manual_seed(7), **kw)
+        return make
+
+    want = uninterrupted(factory(torch.utils.data.DataLoader))
+    make = factory(shmloader.DataLoader)
+    loader = make()
+    got = [[flat(b) for b in loader]]
+    it = iter(loader)
+    second = [flat(next(it))]
+    state = pickle.loads(pickle.dumps(loader.state_dict()))
+    del it
+    close(loader)
+    resumed = make()
+    resumed.load_state_dict(state)
+    it = iter(resumed)
+    state = pickle.loads(pickle.dumps(resumed.state_dict()))  # before its first batch
+    del it
+    close(resumed)
+    again = make()
+    again.load_state_dict(state)
+    second += [flat(b) for b in again]
+    got += [second, [flat(b) for b in again]]
+    close(again)
+    assert got == want

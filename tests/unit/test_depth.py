@@ -178,6 +178,7 @@ def test_a_deeper_ring_memory_budget_declined_keeps_the_depth_the_ring_holds() -
     assert (depth.prefetch, depth.most, depth.outgrew) == (DEFAULT, DEFAULT, False)
     assert depth.why == ("2: memory_budget has no room for a deeper ring beside the memory the loader holds "
                          "now")
+    assert depth.planned(2, 5, 4096) == 2 * DEFAULT and depth.most == DEFAULT  # (a later epoch's ring asks no more)
 
 
 def test_a_ring_with_fewer_slots_lowers_the_depth_and_says_why() -> None:
