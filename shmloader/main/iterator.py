@@ -231,8 +231,7 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
                         break
             if sched.waiting_count:  # (grants the step's events dropped: stale epochs, errors)
                 broker.grant(scope)
-            if (broker.grow_to is not None and not sched.n_tasks and not (stager and stager.copying)
-                    and not (sched.exhausted and not self._persistent_workers)):  # (the epoch's ring is done)
+            if broker.grow_to is not None and not sched.n_tasks and not (stager and stager.copying):
                 return _GROW
             if stager is not None and stager.staged:
                 return delivery.pop_staged(stager)
