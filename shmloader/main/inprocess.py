@@ -14,7 +14,7 @@ import torch.utils.data.graph_settings
 from torch.utils.data import IterDataPipe, MapDataPipe
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _SingleProcessDataLoaderIter
 
-from shmloader import _checkpoint, _state_layout
+from shmloader import _checkpoint, _sampler_position, _state_layout
 from shmloader import _torch_private as torch_private
 from shmloader.worker.produce import has_state
 
@@ -38,8 +38,8 @@ class InProcessIterator(_SingleProcessDataLoaderIter):
             put_back = _checkpoint.resume_rng(loader, plan)
             if _checkpoint.replayed(plan, self._dataset, self._iterable):
                 self.after_replay = put_back
-            self._sampler_iter = _checkpoint.position(self._index_sampler, self._sampler_iter, plan, self._iterable,
-                                                      None if self.after_replay else put_back)
+            self._sampler_iter = _sampler_position.position(self._index_sampler, self._sampler_iter, plan,
+                                                            self._iterable, None if self.after_replay else put_back)
             self._num_yielded = plan.step if _checkpoint.plan_keeps_position(plan, self._dataset, self._iterable) else 0
             self._pulled = plan.below
         dataset_state, fetcher_state = (None, None) if plan is None else plan.in_process
@@ -72,13 +72,13 @@ class InProcessIterator(_SingleProcessDataLoaderIter):
         dataset = self._dataset
         if self._iterable:
             it = fetcher.dataset_iter
-            fetcher_state = {"dataset_iter_state": _checkpoint.state_of(it), "fetcher_ended": bool(fetcher.ended)}
-            dataset_state = _checkpoint.state_of(dataset) if it is not dataset else None
+            fetcher_state = {"dataset_iter_state": _sampler_position.state_of(it), "fetcher_ended": bool(fetcher.ended)}
+            dataset_state = _sampler_position.state_of(dataset) if it is not dataset else None
         else:
-            fetcher_state, dataset_state = None, _checkpoint.state_of(dataset)
+            fetcher_state, dataset_state = None, _sampler_position.state_of(dataset)
         return _state_layout.Progress(
             self._num_yielded, self.finished, self._pulled, {}, None,
-            (_checkpoint.state_of(self._sampler_iter), _checkpoint.state_of(self._index_sampler)),
+            (_sampler_position.state_of(self._sampler_iter), _sampler_position.state_of(self._index_sampler)),
             in_process=(dataset_state, fetcher_state))
 
     def checkpoint(self) -> tuple[_state_layout.Progress, int]:

@@ -34,7 +34,7 @@ import torch
 import torch.autograd.profiler as _profiler
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from shmloader import _checkpoint, _state_layout
+from shmloader import _checkpoint, _sampler_position, _state_layout
 from shmloader._errors import CorruptSlotError, StopCarrier, WorkerReplacedWarning, raise_worker_error
 from shmloader._stats import Counters, RingOccupancy, occupancy
 from shmloader._torch_private import is_iterable, iterator_parts
@@ -108,7 +108,7 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
         self._every = getattr(loader, "snapshot_every_n_steps", 1) if loader.in_order else 1
         self.after_replay: Callable[[], None] | None = None  # (a resume's: _checkpoint calls it)
         if plan is not None and plan.finished and not self._iterable:
-            _checkpoint.carry_sampler(self._index_sampler, plan)  # (persistent workers' next epoch)
+            _sampler_position.carry_sampler(self._index_sampler, plan)  # (persistent workers' next epoch)
         self._reset(loader, first_iter=True)
         if plan is not None:
             self._resume(loader, plan)
@@ -117,7 +117,7 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)
         batches = batches_of(self._index_sampler, self._sampler_iter)
-        self._sampler_iter = _checkpoint.pulled_from(self._index_sampler, batches, self._iterable, self)
+        self._sampler_iter = _sampler_position.pulled_from(self._index_sampler, batches, self._iterable, self)
         self._pulled_before = 0  # batches of indices a resume drew before this iterator's first dispatch
         self._drawn = (0, False)  # (what a resume's positioning drew, to the sampler's end or not)
         self.finished = False  # this epoch's StopIteration was raised

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from shmloader import _checkpoint, _state_layout
+from shmloader import _checkpoint, _sampler_position, _state_layout
 from shmloader.main.delivery import Delivery
 from shmloader.main.scheduler import Scheduler
 
@@ -41,8 +41,8 @@ class RingCheckpoint:
         self._sched.resume_after(plan.active(self._num_workers), plan.last_worker if loader.in_order else None)
         self._pulled_before = plan.below
         self._drawn = (plan.pulled, plan.drained)
-        self._sampler_iter = _checkpoint.position(self._index_sampler, self._sampler_iter, plan, self._iterable,
-                                                  put_back)
+        self._sampler_iter = _sampler_position.position(self._index_sampler, self._sampler_iter, plan,
+                                                        self._iterable, put_back)
         self._num_yielded = plan.step
 
     def progress(self) -> _state_layout.Progress:
@@ -57,8 +57,8 @@ class RingCheckpoint:
         drawn, drained = self._drawn
         return self._delivery.progress(consumed, self.finished, max(pulled, drawn),
                                        drained or bool(self._sched.exhausted),
-                                       _checkpoint.sampler_states(self._sampler_iter,
-                                                                  consumed if seqs is None else seqs.below))
+                                       _sampler_position.sampler_states(self._sampler_iter,
+                                                                        consumed if seqs is None else seqs.below))
 
     def consumed_below(self) -> int:
         """Every batch of the epoch below this one was consumed."""
