@@ -202,10 +202,7 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
             if self._counters.batches >= self._watch.at:
                 cap = self._watch.look(scope.ring)
                 if cap is not None:
-                    if self._watch.depth.outgrew:  # (its first growth: the ring is torch's)
-                        broker.want_deeper(scope.ring.data_bytes)
-                    else:
-                        sched.set_cap(cap)
+                    self._life.deepen(scope, cap)
             while True:
                 # (with the device stager full, only slots back, results in and tasks out)
                 room = stager is None or stager.has_room()

@@ -279,6 +279,14 @@ class Lifecycle:
                 yield Conns(sorted(attaching))
 
     # --------------------------------------------------------------- grow
+    def deepen(self, scope: RingScope, cap: int) -> None:
+        """The depth grew to ``cap`` tasks: the scheduler's cap, or, past what the ring holds (its
+        first growth: the ring is torch's), a deeper ring once this one drains."""
+        if self.settings.depth.outgrew:
+            self.broker.want_deeper(scope.ring.data_bytes)
+        else:
+            self.sched.set_cap(cap)
+
     def grow(self, old: RingScope, check: Callable[[], None]) -> Steps:
         """Replace the drained ring (``old``) by one with larger slots (``broker.grow_to``), or more
         of them (the depth outgrew it: ``Depth.outgrew``); every worker attaches to it. The old
