@@ -23,13 +23,14 @@ import time
 from typing import Any
 
 import torch
+from bare_ring import BareRing
 
 import shmloader
 from shmloader._bench.measure import TreeUsage, read
 from shmloader._bench.workloads import CACHE, WORKLOADS
 
 WARM = 200  # batches before the clock starts: workers started, caches and the ring warm
-ROWS = ("dataset", "limit", "torch", "shmloader", "shmloader, in_order=False")
+ROWS = ("dataset", "limit", "torch", "bare ring", "shmloader", "shmloader, in_order=False")
 
 
 def _idle_s() -> float:
@@ -47,6 +48,8 @@ def _loader(row: str, name: str, batches: int, workers: int) -> Any:
         return torch.utils.data.DataLoader(ds, num_workers=0, **kw)
     if row == "torch":
         return torch.utils.data.DataLoader(ds, num_workers=workers, **kw)
+    if row == "bare ring":
+        return BareRing(ds, w.batch_size, workers, collate_fn=w.collate_fn)
     return shmloader.DataLoader(ds, num_workers=workers, in_order=row == "shmloader", **kw)
 
 

@@ -357,24 +357,121 @@ done:
 
 /* Indices into lend_lone's `lone` tuple (shmloader/main/lease.py's lone_args). */
 enum { L_RING, L_HEADERS, L_DATA, L_CAP, L_SKELETON, L_REGION_FIELD, L_SLOT_REGION, L_TENSOR, L_NP_DTYPES,
-       L_MAX_NDIM, L_NDARRAY, L_FROM_NUMPY, L_MAX_LENT, N_LONE };
+       L_MAX_NDIM, L_NDARRAY, L_FROM_NUMPY, L_MAX_LENT, L_U8, L_RECIPES, N_LONE };
+/* A recipe's containers (shmloader/main/lease.py's RECIPES). */
+enum { R_LIST, R_TUPLE, R_DICT };
 
 PyDoc_STRVAR(lend_lone_doc,
 "lend_lone($module, slot, bases, lone, /)\n"
 "--\n\n"
-"read_batch's common case and Leases.lend in one call, for a slot just taken: a batch that is\n"
-"one tensor in the slot's own data region. `lone` = (ring, header offsets, data offsets, data\n"
-"bytes, LONE_LEAF, Field.REGION, Region.SLOT, Kind.TENSOR, NP_DTYPES, _NUMPY_MAX_NDIM,\n"
-"np.ndarray, a tensor maker (torch.from_numpy), most slots lent). If\n"
+"read_batch's common cases and Leases.lend in one call, for a slot just taken: a batch that is\n"
+"one tensor in the slot's own data region, or a list, tuple or dict of tensors there whose\n"
+"skeleton is a recipe's. `lone` = (ring, header offsets, data offsets, data bytes, LONE_LEAF,\n"
+"Field.REGION, Region.SLOT, Kind.TENSOR, NP_DTYPES, _NUMPY_MAX_NDIM, np.ndarray, a tensor maker\n"
+"(torch.from_numpy), most slots lent, np.uint8's dtype, recipes: {skeleton bytes: (container,\n"
+"leaves, keys)}: container 0 a list, 1 a tuple, 2 a dict of those keys, of that many leaves\n"
+"in order). If\n"
 "fewer than that many slots are in `bases` and the slot's header and leaf table check and say\n"
-"so, the batch is the tensor maker's tensor of a fresh array `base` over its bytes;\n"
-"bases[slot] = base; returns (batch, nbytes). Returns None,\n"
-"having changed nothing, for anything else (another region, a table that is not one tensor\n"
-"leaf, a dtype numpy lacks, a header that does not check): read_batch builds that batch, or\n"
-"says what is wrong with it.");
+"so, a one-tensor batch is the tensor maker's tensor of a fresh array `base` over its bytes,\n"
+"a recipe's is its container of the tensor maker's tensors of arrays over a fresh array `base`\n"
+"of the slot's data region (as read_batch builds them); bases[slot] = base; returns (batch,\n"
+"nbytes). Returns None, having changed nothing, for anything else (another region, another\n"
+"skeleton, a leaf that is not a non-empty tensor of a dtype numpy has, a header that does not\n"
+"check): read_batch builds that batch, or says what is wrong with it.");
+
+/* Entry i of decode_entries' list as a tensor leaf lend_lone may build: its numpy dtype, shape
+   and bytes; 0 when it is not one (read_batch builds it), -1 on an error. */
+static int plain_leaf(PyObject *entry, PyObject *np_dtypes, long long tensor, long long max_ndim, PyObject **dtype,
+                      PyObject **shape, long long *off, long long *size) {
+    /* (code, kind, offset, nbytes, shape), as decode_entries built it */
+    long code = PyLong_AsLong(PyTuple_GET_ITEM(entry, 0)), kind = PyLong_AsLong(PyTuple_GET_ITEM(entry, 1));
+    *off = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 2));
+    *size = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 3));
+    *shape = PyTuple_GET_ITEM(entry, 4);
+    if (PyErr_Occurred()) return -1;
+    if (kind != tensor || code < 0 || code >= PyTuple_GET_SIZE(np_dtypes) || PyTuple_GET_ITEM(np_dtypes, code) == Py_None ||
+        PyTuple_GET_SIZE(*shape) > max_ndim || *size <= 0)
+        return 0;
+    *dtype = PyTuple_GET_ITEM(np_dtypes, code);
+    return 1;
+}
+
+/* maker(np.ndarray(shape, dtype, buffer, offset)), and that array in *arr (a new reference). */
+static PyObject *leaf_of(PyObject *ndarray, PyObject *maker, PyObject *shape, PyObject *dtype, PyObject *buffer,
+                         long long offset, PyObject **arr) {
+    PyObject *at = PyLong_FromLongLong(offset);
+    if (at == NULL) return NULL;
+    PyObject *array_args[4] = {shape, dtype, buffer, at};
+    *arr = PyObject_Vectorcall(ndarray, array_args, 4, NULL);
+    Py_DECREF(at);
+    return *arr == NULL ? NULL : PyObject_Vectorcall(maker, arr, 1, NULL);
+}
+
+/* A recipe's batch: its container of the leaves `entries` names, views of a fresh array over the
+   data region (*base, a new reference); *nbytes their bytes. None when a leaf is not one
+   lend_lone builds, NULL on an error. */
+static PyObject *by_recipe(PyObject *lone, PyObject *recipe, PyObject *entries, long long data, long long cap,
+                           PyObject **base, long long *nbytes) {
+    PyObject *np_dtypes = PyTuple_GET_ITEM(lone, L_NP_DTYPES), *ring = PyTuple_GET_ITEM(lone, L_RING),
+             *ndarray = PyTuple_GET_ITEM(lone, L_NDARRAY), *maker = PyTuple_GET_ITEM(lone, L_FROM_NUMPY);
+    long long tensor = PyLong_AsLongLong(PyTuple_GET_ITEM(lone, L_TENSOR)),
+              max_ndim = PyLong_AsLongLong(PyTuple_GET_ITEM(lone, L_MAX_NDIM));
+    if (PyErr_Occurred()) return NULL;
+    if (!PyTuple_Check(recipe) || PyTuple_GET_SIZE(recipe) != 3) {
+        PyErr_SetString(PyExc_TypeError, "lend_lone: a recipe is (container, leaves, keys)");
+        return NULL;
+    }
+    long container = PyLong_AsLong(PyTuple_GET_ITEM(recipe, 0));
+    Py_ssize_t n = PyLong_AsSsize_t(PyTuple_GET_ITEM(recipe, 1));
+    PyObject *keys = PyTuple_GET_ITEM(recipe, 2);
+    if (PyErr_Occurred()) return NULL;
+    if ((container != R_LIST && container != R_TUPLE && container != R_DICT) ||
+        (container == R_DICT && (!PyTuple_Check(keys) || PyTuple_GET_SIZE(keys) != n))) {
+        PyErr_SetString(PyExc_ValueError, "lend_lone: a recipe's container is 0, 1 or 2 (a dict, with a key a leaf)");
+        return NULL;
+    }
+    if (PyList_GET_SIZE(entries) != n) return Py_NewRef(Py_None); /* (a table of other leaves) */
+    /* Every leaf checked before anything is made */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *dtype, *shape;
+        long long off, size;
+        int ok = plain_leaf(PyList_GET_ITEM(entries, i), np_dtypes, tensor, max_ndim, &dtype, &shape, &off, &size);
+        if (ok <= 0) return ok < 0 ? NULL : Py_NewRef(Py_None);
+    }
+    PyObject *shape_args = Py_BuildValue("(L)", cap);
+    if (shape_args == NULL) return NULL;
+    PyObject *made = NULL, *array_args[4] = {shape_args, PyTuple_GET_ITEM(lone, L_U8), ring, NULL};
+    array_args[3] = PyLong_FromLongLong(data);
+    *base = array_args[3] == NULL ? NULL : PyObject_Vectorcall(ndarray, array_args, 4, NULL);
+    Py_XDECREF(array_args[3]);
+    Py_DECREF(shape_args);
+    if (*base == NULL) return NULL;
+    made = container == R_LIST ? PyList_New(n) : container == R_TUPLE ? PyTuple_New(n) : PyDict_New();
+    *nbytes = 0;
+    for (Py_ssize_t i = 0; made != NULL && i < n; i++) {
+        PyObject *dtype = NULL, *shape, *arr = NULL, *leaf = NULL;
+        long long off, size;
+        if (plain_leaf(PyList_GET_ITEM(entries, i), np_dtypes, tensor, max_ndim, &dtype, &shape, &off, &size) > 0)
+            leaf = leaf_of(ndarray, maker, shape, dtype, *base, off, &arr); /* (checked above: always) */
+        else if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "lend_lone: a leaf changed while its batch was built");
+        Py_XDECREF(arr);
+        *nbytes += size;
+        if (leaf == NULL) Py_CLEAR(made);
+        else if (container == R_LIST) PyList_SET_ITEM(made, i, leaf);
+        else if (container == R_TUPLE) PyTuple_SET_ITEM(made, i, leaf);
+        else {
+            if (PyDict_SetItem(made, PyTuple_GET_ITEM(keys, i), leaf) < 0) Py_CLEAR(made);
+            Py_DECREF(leaf);
+        }
+    }
+    if (made == NULL) Py_CLEAR(*base);
+    return made;
+}
 
 static PyObject *lend_lone(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyDict_CheckExact(args[1]) || !PyTuple_Check(args[2]) || PyTuple_GET_SIZE(args[2]) != N_LONE) {
+    if (nargs != 3 || !PyDict_CheckExact(args[1]) || !PyTuple_Check(args[2]) || PyTuple_GET_SIZE(args[2]) != N_LONE ||
+        !PyDict_CheckExact(PyTuple_GET_ITEM(args[2], L_RECIPES))) {
         PyErr_SetString(PyExc_TypeError, "lend_lone takes a slot, the lease dict and the lone tuple");
         return NULL;
     }
@@ -404,7 +501,8 @@ static PyObject *lend_lone(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_ssize_t skeleton_len;
     if (PyErr_Occurred() || PyBytes_AsStringAndSize(PyTuple_GET_ITEM(lone, L_SKELETON), &skeleton, &skeleton_len) < 0)
         return NULL;
-    PyObject *ring = PyTuple_GET_ITEM(lone, L_RING), *entries = NULL, *offset = NULL, *arr = NULL, *out = NULL;
+    PyObject *ring = PyTuple_GET_ITEM(lone, L_RING), *entries = NULL, *arr = NULL, *out = NULL, *recipe = NULL,
+             *batch = NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(ring, &view, PyBUF_SIMPLE) < 0) return NULL;
     int64_t f[N_HEADER_FIELDS];
@@ -413,42 +511,55 @@ static PyObject *lend_lone(PyObject *self, PyObject *const *args, Py_ssize_t nar
         goto none;
     }
     const char *base = (const char *)view.buf + data;
-    if (f[region_field] != slot_region || !skeleton_is(f, base, skeleton, skeleton_len)) goto none;
+    if (f[region_field] != slot_region) goto none;
+    int one = skeleton_is(f, base, skeleton, skeleton_len);
+    if (!one) { /* (slot_fields checked the skeleton's span) */
+        PyObject *pickled = PyBytes_FromStringAndSize(base + f[F_PICKLED_OFF], (Py_ssize_t)f[F_PICKLED_LEN]);
+        if (pickled == NULL) goto done;
+        recipe = PyDict_GetItemWithError(PyTuple_GET_ITEM(lone, L_RECIPES), pickled);
+        Py_DECREF(pickled);
+        if (recipe == NULL) {
+            if (PyErr_Occurred()) goto done;
+            goto none;
+        }
+        Py_INCREF(recipe);
+    }
     entries = decode_entries(base + f[F_TABLE_OFF], (Py_ssize_t)f[F_TABLE_LEN], cap);
     if (entries == NULL) {
         if (!PyErr_ExceptionMatches(corrupt_error)) goto done;
         PyErr_Clear();
         goto none;
     }
-    if (PyList_GET_SIZE(entries) != 1) goto none;
-    /* (code, kind, offset, nbytes, shape), as decode_entries built it */
-    PyObject *entry = PyList_GET_ITEM(entries, 0), *shape = PyTuple_GET_ITEM(entry, 4);
-    long code = PyLong_AsLong(PyTuple_GET_ITEM(entry, 0)), kind = PyLong_AsLong(PyTuple_GET_ITEM(entry, 1));
-    long long off = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 2));
-    PyObject *nbytes = PyTuple_GET_ITEM(entry, 3);
-    long long size = PyLong_AsLongLong(nbytes);
-    if (PyErr_Occurred()) goto done;
-    if (kind != tensor || code < 0 || code >= PyTuple_GET_SIZE(np_dtypes) || PyTuple_GET_ITEM(np_dtypes, code) == Py_None ||
-        PyTuple_GET_SIZE(shape) > max_ndim || size <= 0)
-        goto none;
-    offset = PyLong_FromLongLong((long long)data + off);
-    if (offset == NULL) goto done;
-    PyBuffer_Release(&view); /* the array takes its own export of the ring */
+    PyBuffer_Release(&view); /* the arrays take their own export of the ring */
     view.obj = NULL;
-    PyObject *array_args[4] = {shape, PyTuple_GET_ITEM(np_dtypes, code), ring, offset};
-    arr = PyObject_Vectorcall(PyTuple_GET_ITEM(lone, L_NDARRAY), array_args, 4, NULL);
-    if (arr == NULL) goto done;
-    PyObject *batch = PyObject_Vectorcall(PyTuple_GET_ITEM(lone, L_FROM_NUMPY), &arr, 1, NULL);
-    if (batch == NULL) goto done;
-    out = PyTuple_Pack(2, batch, nbytes);
-    Py_DECREF(batch);
+    long long size;
+    if (!one) {
+        if (PyList_GET_SIZE(entries) == 0) goto none;
+        batch = by_recipe(lone, recipe, entries, data, cap, &arr, &size);
+        if (batch == NULL) goto done;
+        if (batch == Py_None) goto none;
+    } else {
+        if (PyList_GET_SIZE(entries) != 1) goto none;
+        PyObject *dtype, *shape;
+        long long off;
+        int ok = plain_leaf(PyList_GET_ITEM(entries, 0), np_dtypes, tensor, max_ndim, &dtype, &shape, &off, &size);
+        if (ok <= 0) {
+            if (ok < 0) goto done;
+            goto none;
+        }
+        batch = leaf_of(PyTuple_GET_ITEM(lone, L_NDARRAY), PyTuple_GET_ITEM(lone, L_FROM_NUMPY), shape, dtype, ring,
+                        (long long)data + off, &arr);
+        if (batch == NULL) goto done;
+    }
+    out = Py_BuildValue("(OL)", batch, size);
     if (out != NULL && PyDict_SetItem(bases, slot_obj, arr) < 0) Py_CLEAR(out);
     goto done;
 none:
     out = Py_NewRef(Py_None);
 done:
+    Py_XDECREF(batch);
     Py_XDECREF(arr);
-    Py_XDECREF(offset);
+    Py_XDECREF(recipe);
     Py_XDECREF(entries);
     if (view.obj != NULL) PyBuffer_Release(&view);
     return out;

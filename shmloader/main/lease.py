@@ -288,7 +288,53 @@ def read_batch(ring: Ring, slot: int, convert: LeafConverter | None = None,
         raise  # a class the main process cannot find (defined only in the worker?): said as is
     except Exception as exc:
         raise CorruptSlotError(f"slot {slot}: the batch's skeleton does not unpickle ({exc!r}): a torn write") from exc
+    if where is None and len(RECIPES) < _MOST_RECIPES and skeleton not in RECIPES:
+        learn_recipe(skeleton, batch, leaves)
     return batch, base, total
+
+
+# The skeletons of batches that are a list, tuple or dict (of str keys) of their leaves in
+# order, as the default collate makes them: skeleton -> (container, leaves, keys), from which
+# lend_lone builds such a batch in its one native call, as it builds a batch of one tensor.
+# read_batch learns one from the first batch of each skeleton it unpickles.
+RECIPES: dict[bytes, tuple[int, int, tuple[str, ...] | None]] = {}
+_MOST_RECIPES = 64  # (a batch whose keys vary without end is unpickled, as before)
+_CONTAINERS = {list: 0, tuple: 1, dict: 2}  # (native/_native.c's R_LIST, R_TUPLE, R_DICT)
+
+
+class _StandIn:
+    """Leaf ``i`` of a batch, as the worker's pickler (``worker.collate._LeafPickler``) writes it."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+
+class _StandInPickler(pickle.Pickler):
+    def persistent_id(self, obj: object) -> int | None:
+        return obj.i if type(obj) is _StandIn else None
+
+
+def learn_recipe(skeleton: bytes, batch: Any, leaves: list[Any]) -> None:
+    """Remember ``skeleton`` when ``batch``, which it unpickled to over ``leaves``, is a list, tuple
+    or dict of str keys of those leaves in order, and the skeleton is exactly what the worker's
+    pickler writes for such a batch (nothing else in it): then building the container of the
+    leaves (``lend_lone``) is what unpickling it does."""
+    container = _CONTAINERS.get(type(batch))
+    if container is None:
+        return
+    keys = tuple(batch) if type(batch) is dict else None
+    items = list(batch.values()) if keys is not None else batch
+    if (not leaves or len(items) != len(leaves) or any(a is not b for a, b in zip(items, leaves))
+            or (keys is not None and not all(type(k) is str for k in keys))):
+        return
+    stand_ins = [_StandIn(i) for i in range(len(leaves))]
+    shaped = dict(zip(keys, stand_ins)) if keys is not None else type(batch)(stand_ins)
+    buf = io.BytesIO()
+    _StandInPickler(buf, protocol=5).dump(shaped)
+    if buf.getvalue() == skeleton:
+        RECIPES[skeleton] = (container, len(leaves), keys)
 
 
 # A tensor of this many bytes or more is copied out of its slot into a memory file of its own
@@ -319,7 +365,7 @@ def lone_args(ring: Ring, most_lent: int) -> tuple[Any, ...]:
     one tensor in its slot) and ``Leases.lend`` in one call, while fewer than ``most_lent``
     slots are lent (else the caller decides whether to copy: see ``RingScope.most_lent``)."""
     return (ring.mm, ring.header_offsets, ring.data_offsets, ring.geometry.data_bytes, LONE_LEAF, int(_REGION),
-            _SLOT, _TENSOR, NP_DTYPES, _NUMPY_MAX_NDIM, np.ndarray, torch.from_numpy, most_lent)
+            _SLOT, _TENSOR, NP_DTYPES, _NUMPY_MAX_NDIM, np.ndarray, torch.from_numpy, most_lent, _U8, RECIPES)
 
 
 def slot_of(ring: Ring, obj: Any) -> int | None:

@@ -67,8 +67,11 @@ class SlotWriter:
         self._views: dict[tuple[int, int, int, tuple[int, ...]], Any] = {}  # (offset, code, kind, shape) -> view
         # (data offset, bytes used, leaf) -> layout of a one-leaf batch's skeleton and table (_finish_lone)
         self._lone: dict[tuple[int, int, Leaf], tuple[int, int, int, int, bytes]] = {}
-        # data offset -> how the last batch of plain tensors was stacked there (stack_lone)
-        self._stacks: dict[int, _LoneStack] = {}
+        # data offset -> how the last batch of the default collate was stacked there (restack)
+        self._stacks: dict[int, _Restack] = {}
+        # Set before a batch of the default collate is collated: its samples' type (a batch
+        # ``restack`` may stack again is remembered by ``finish``); None: nothing remembered
+        self.samples_type: type | None = None
         self.begin(0, 0)
 
     def begin(self, data_off: int, capacity: int) -> None:
@@ -81,7 +84,7 @@ class SlotWriter:
         # A storage (its _cdata; _keep keeps it alive) -> (first byte, end, leaf) of the leaves of its bytes
         self._storages: dict[int, list[tuple[int, int, int]]] = {}
         self._keep: list[object] = []
-        self._stacked: tuple[int, torch.Size, torch.dtype, torch.Tensor] | None = None  # set by _stack_into_slot
+        self._stacked: list[_Column] = []  # what _stack_into_slot stacked into the slot, in order
         # (mapping, offset, capacity) where finish writes the batch's description (skeleton,
         # leaf table, dataset state), at offsets from there; None: after the leaves
         self._description: tuple[Any, int, int] | None = None
@@ -252,6 +255,7 @@ class SlotWriter:
             buf = io.BytesIO()
             _LeafPickler(buf, self).dump(batch)
             skeleton = buf.getbuffer()
+        columns = self._columns_of(batch) if self.samples_type is not None and not dataset_state else None
         self.pickled_off = round_up(0 if description else self.used, 8)
         self.pickled_len = len(skeleton)
         self.table_off = round_up(self.pickled_off + self.pickled_len, 8)
@@ -277,14 +281,43 @@ class SlotWriter:
         if dataset_state:
             start = base + self.dataset_state_off
             mm[start : start + self.dataset_state_len] = dataset_state
+        elif columns is not None and description is None:
+            start = base + self.pickled_off
+            block = bytes(mm[start : base + self.table_off + self.table_len])
+            layout = (self.pickled_off, self.pickled_len, self.table_off, self.table_len, needed, block)
+            self._remember(columns, self.samples_type, layout, batch)
         self._keep.clear()
         return needed
+
+    def _columns_of(self, batch: object) -> list[_Column] | None:
+        """The columns of a batch the default collate made of samples of ``samples_type`` (a
+        tuple, list or dict whose items are tensors), when its leaves are exactly the tensors
+        ``_stack_into_slot`` stacked into the slot, in order: ``restack`` may stack the next
+        such batch into the same views, and write the same skeleton and leaf table."""
+        stacked = self._stacked
+        if type(batch) is list and self.samples_type in (tuple, list):
+            values: list[object] = batch
+        elif type(batch) is dict and self.samples_type is dict and all(type(k) is str for k in batch):
+            values = list(batch.values())
+        else:
+            return None
+        if len(values) != len(stacked) or len(self.leaves) != len(stacked):
+            return None
+        return stacked if all(v is c.out for v, c in zip(values, stacked)) else None
+
+    def _remember(self, columns: list[_Column], samples_type: type | None, layout: Layout,
+                  batch: object = None) -> None:
+        assert samples_type is not None
+        if len(self._stacks) >= _VIEW_CACHE:
+            self._stacks.clear()
+        keys = tuple(batch) if type(batch) is dict else None
+        self._stacks[self.data_off] = _Restack(tuple(columns), samples_type, keys, self.used, layout)
 
     def _finish_lone(self, leaf: Leaf, batch: object) -> int:
         """``finish`` for a batch that is one leaf, without a dataset state: the skeleton and
         the leaf table are the same batch after batch, so they are laid out once per slot and
         leaf, and written as one block. A batch ``_stack_into_slot`` stacked is remembered for
-        ``stack_lone``."""
+        ``restack``."""
         key = (self.data_off, self.used, leaf)
         layout = self._lone.get(key)
         if layout is None:
@@ -295,18 +328,18 @@ class SlotWriter:
             table = bytearray(table_bytes([leaf[3]]))
             _native.encode_table(table, 0, len(table), [leaf])
             block = LONE_LEAF + bytes(table_off - pickled_off - len(LONE_LEAF)) + table
-            layout = self._lone[key] = (pickled_off, table_off, len(table), round_up(table_off + len(table), 8), block)
-        needed = self._write_lone(layout)
+            layout = self._lone[key] = (pickled_off, len(LONE_LEAF), table_off, len(table),
+                                        round_up(table_off + len(table), 8), block)
+        needed = self._write_layout(layout)
         stacked = self._stacked
-        if self.fits and stacked is not None and stacked[3] is batch:
-            if len(self._stacks) >= _VIEW_CACHE:
-                self._stacks.clear()
-            self._stacks[self.data_off] = _LoneStack(*stacked, self.used, layout)
+        if self.fits and len(stacked) == 1 and stacked[0].out is batch:
+            self._remember(stacked, torch.Tensor, layout)
         return needed
 
-    def _write_lone(self, layout: tuple[int, int, int, int, bytes]) -> int:
-        self.pickled_off, self.table_off, self.table_len, needed, block = layout
-        self.pickled_len = len(LONE_LEAF)
+    def _write_layout(self, layout: Layout) -> int:
+        """Write a batch's skeleton and leaf table as ``finish`` laid them out for an earlier
+        batch at this slot (one block)."""
+        self.pickled_off, self.pickled_len, self.table_off, self.table_len, needed, block = layout
         self.dataset_state_off, self.dataset_state_len = needed, 0
         if needed > self.capacity:
             self.fits = False
@@ -316,48 +349,88 @@ class SlotWriter:
         self._keep.clear()
         return needed
 
-    def stack_lone(self, samples: list[Any]) -> torch.Tensor | None:
+    def restack(self, samples: list[Any]) -> Any:
         """The default collate's steady state, in one step: when the last batch written at this
-        slot was ``samples``-like plain tensors stacked by ``_stack_into_slot`` (same count,
-        sample shape and dtype), stack these into the same view (one memcpy per plain sample with
-        ``_native.stack_into``, else ``torch.stack``) and write the same skeleton and leaf table; the
-        writer is then as ``finish`` leaves it. Returns the batch, or None when
-        the samples are not like that (nothing was written: collate them the general way)."""
+        slot was ``samples``-like (plain tensors, or tuples, lists or dicts of them, stacked by
+        ``_stack_into_slot``: the same count, sample shapes and dtypes, keys), stack these
+        into the same views (one memcpy per plain sample with ``_native.stack_into``, else
+        ``torch.stack``) and write the same skeleton and leaf table; the writer is then as
+        ``finish`` leaves it. Returns the batch (a new list or dict of those views, as
+        default_collate makes), or None when the samples are not like that (the general way
+        collates them, and writes the slot again)."""
         plan = self._stacks.get(self.data_off)
-        if plan is None or len(samples) != plan.n or plan.layout[3] > self.capacity:
+        if plan is None or plan.layout[4] > self.capacity:
             return None
-        # (plain samples: one memcpy each; else torch.stack, when they are like the plan's)
-        if (_stack_into is None or not _stack_into(samples, plan.out)) and not plan.torch_stack(samples):
+        batch = plan.stack(samples)
+        if batch is None:
             return None
         self.used = plan.used
-        self._write_lone(plan.layout)
-        return plan.out
+        self._write_layout(plan.layout)
+        return batch
 
 
-class _LoneStack(NamedTuple):
-    """How ``_stack_into_slot`` stacked a batch into a slot, and the one-leaf layout written after it."""
+# Where finish wrote a batch's skeleton and leaf table: (skeleton offset, its length, table
+# offset, its length, the bytes the batch needs, the block of both as written)
+Layout = tuple[int, int, int, int, int, bytes]
+
+
+class _Column(NamedTuple):
+    """How ``_stack_into_slot`` stacked one column of a batch (its samples' tensors) into the slot."""
 
     n: int  # samples
     shape: torch.Size  # of a sample
     dtype: torch.dtype
-    out: torch.Tensor  # the slot's view the batch was stacked into
-    used: int
-    layout: tuple[int, int, int, int, bytes]  # _finish_lone's
+    out: torch.Tensor  # the slot's view they were stacked into
 
-    def torch_stack(self, samples: list[Any]) -> bool:
-        """``torch.stack`` of ``samples`` into ``out`` when they are plain tensors like the
-        planned ones (sample shape, dtype); False when they are not (the general way then
-        collates them, and writes the slot again)."""
+    def stack(self, samples: Any) -> bool:
+        """Stack ``samples`` into ``out`` again: one memcpy each (plain tensors), or
+        ``torch.stack`` when they are tensors like the planned ones (sample shape, dtype). False,
+        when they are not (the general way then collates them, and writes the slot again)."""
+        if _stack_into is not None and _stack_into(samples, self.out):
+            return True
         elem = samples[0]
-        if (type(elem) is not torch.Tensor or elem.shape != self.shape or elem.is_nested
+        if (len(samples) != self.n or type(elem) is not torch.Tensor or elem.shape != self.shape or elem.is_nested
                 or elem.layout is not _STRIDED or not elem.is_cpu):
             return False
-        if _native.same_attr(samples, "dtype") is not self.dtype:
-            return False
         try:
+            if _native.same_attr(samples, "dtype") is not self.dtype:
+                return False
             return torch.stack(samples, 0, out=self.out) is self.out  # (a subclass may make another object)
-        except RuntimeError:
-            return False  # unequal shapes: the general way raises torch's own error
+        except (RuntimeError, AttributeError):
+            return False  # unequal shapes, a number among tensors: the general way raises torch's own error
+
+
+class _Restack(NamedTuple):
+    """How the default collate stacked the last batch at a slot (``SlotWriter.restack``)."""
+
+    columns: tuple[_Column, ...]
+    samples_type: type  # torch.Tensor (the batch is the one column's view), tuple, list or dict
+    keys: tuple[str, ...] | None  # a dict's
+    used: int
+    layout: Layout
+
+    def stack(self, samples: list[Any]) -> Any:
+        """The batch of ``samples`` stacked into the columns' views, as default_collate makes it
+        of samples like the planned ones; None for any others (nothing that matters written)."""
+        elem, columns = samples[0], self.columns
+        if type(elem) is not self.samples_type:
+            return None
+        if self.samples_type is torch.Tensor:
+            return columns[0].out if columns[0].stack(samples) else None
+        keys = self.keys
+        try:
+            if keys is None:  # (default_collate raises for samples of unequal lengths: the general way)
+                transposed: list[Any] = list(zip(*samples, strict=True))
+            elif tuple(elem) == keys:
+                transposed = [[d[key] for d in samples] for key in keys]
+            else:
+                return None
+        except (ValueError, TypeError, KeyError):
+            return None
+        if len(transposed) != len(columns) or not all(c.stack(t) for c, t in zip(columns, transposed)):
+            return None
+        outs = [c.out for c in columns]
+        return outs if keys is None else dict(zip(keys, outs))
 
 
 class _LeafPickler(pickle.Pickler):
@@ -389,7 +462,10 @@ def _stack_into_slot(
     elem = batch[0]
     if elem.is_nested or elem.layout is not _STRIDED or not elem.is_cpu:
         return _torch_collate_tensor(batch, collate_fn_map)
-    dtype = _native.same_attr(batch, "dtype")  # one dtype (the common case), or None: promote as default_collate
+    try:
+        dtype = _native.same_attr(batch, "dtype")  # one dtype (the common case), or None: promote as default_collate
+    except AttributeError:
+        return _torch_collate_tensor(batch, collate_fn_map)  # (a number among tensors: torch's workers' own error)
     if dtype is None:
         try:
             dtype = functools.reduce(torch.promote_types, map(_dtype_of, batch))
@@ -407,7 +483,7 @@ def _stack_into_slot(
         except RuntimeError:
             return torch.stack(batch, 0)  # unequal shapes: torch's own error, as default_collate raises
     if stacked is out:  # (a tensor subclass's __torch_function__ may return another object)
-        writer._stacked = (len(batch), shape, dtype, out)
+        writer._stacked.append(_Column(len(batch), shape, dtype, out))
     return stacked
 
 

@@ -113,9 +113,10 @@ class Producer:
         self.where = f"in DataLoader worker process {cfg.worker_id}"
         self.fused = cfg.auto_collation and cfg.collate_fn is torch_collate.default_collate
         # Map-style, default collate: a batch like the last one stacked into the same slot is
-        # stacked in one step (SlotWriter.stack_lone)
+        # stacked in one step (SlotWriter.restack)
         # (not for a dataset with a state of its own: its snapshot goes with each batch)
         self.lean = self.fused and not cfg.iterable and not has_state(cfg.dataset)
+        self._restackable: dict[type, bool] = {}  # samples' type -> whether restack may stack it
         self._epoch: int | None = None
         self._iter: Any = None
         self._ended = False
@@ -202,14 +203,26 @@ class Producer:
         own = self._ds_state and it is not ds
         return pickle.dumps({"dataset_state": ds.state_dict() if own else None, "fetcher_state": fetcher})
 
+    def _restack_type(self, kind: type, fn_map: dict[Any, Any]) -> type | None:
+        """``kind`` when the default collate of samples of that type may be stacked again in
+        one step (``SlotWriter.restack``): tuples, lists and dicts, which no entry of the
+        collate map (a user's) takes over; else None."""
+        ok = self._restackable.get(kind)
+        if ok is None:
+            ok = self._restackable[kind] = kind in (tuple, list, dict) and not any(
+                isinstance(t, (type, tuple)) and issubclass(kind, t) for t in fn_map)
+        return kind if ok else None
+
     def produce(self, epoch: int, index: Any, writer: SlotWriter, fn_map: dict[Any, Any]) -> tuple[Outcome, Any]:
         """Fetch and collate into ``writer``; returns the outcome and the batch object."""
         try:
             samples = self._samples(epoch, index)
+            writer.samples_type = None
             if self.lean and type(samples) is list and samples:
-                batch = writer.stack_lone(samples)
+                batch = writer.restack(samples)
                 if batch is not None:
                     return _ok(writer.dataset_state_off), batch
+                writer.samples_type = self._restack_type(type(samples[0]), fn_map)
             if self.fused:
                 # Samples that are plain tensors: the map's tensor entry, as collate() would call it
                 plain = type(samples) is list and samples and type(samples[0]) is torch.Tensor

@@ -1,5 +1,5 @@
 """Batches of plain tensors whose layout repeats are stacked into their slot in one step
-(``SlotWriter.stack_lone``, learnt from the batch before it in the same slot). Whatever
+(``SlotWriter.restack``, learnt from the batch before it in the same slot). Whatever
 changes from one batch to the next (count, shape, dtype, a subclass, an array, a sample of
 another size), the batches, their types and the errors are torch's, in torch's order."""
 
@@ -45,12 +45,12 @@ def compare(plan: list[tuple[int, tuple[int, ...], torch.dtype, str | None, int]
     return got
 
 
-# An array after a tensor: where default_collate in the main process raises TypeError, torch's
-# workers (and so shmloader's) raise AttributeError (test_odd_values checks it against them).
+# An array or a number after a tensor: where default_collate in the main process raises TypeError,
+# torch's workers (and so shmloader's) raise AttributeError (test_odd_values checks it against them).
 WORKERS_RAISE = {
-    ("error", ("TypeError", f"expected Tensor as element {k} in argument 0, but got numpy.ndarray")):
-        ("error", ("AttributeError", "'numpy.ndarray' object has no attribute 'numel'"))
-    for k in range(1, 8)
+    ("error", ("TypeError", f"expected Tensor as element {k} in argument 0, but got {name}")):
+        ("error", ("AttributeError", f"'{name}' object has no attribute 'numel'"))
+    for k in range(1, 8) for name in ("numpy.ndarray", "int")
 }
 
 
@@ -100,3 +100,54 @@ plans = st.lists(
 def test_property_runs_of_layouts_are_torchs(plan: list[tuple[int, tuple[int, ...], torch.dtype, str | None, int]],
                                              workers: int) -> None:
     compare(plan, workers, epochs=2)
+
+
+class Composite(tud.Dataset):  # type: ignore[type-arg]
+    """``Runs``' samples as the input of a (input, label) pair, in a tuple, a list or a dict (the
+    default collate stacks each column), the label a 0-d int64 tensor seeded by the index. The
+    run's twists apply to the input; these to the container of the sample at ``spot``: "longer"
+    (one more tensor), "keys" (another key), "int" (the label a Python int)."""
+
+    def __init__(self, runs: Runs, form: str, twisted: dict[int, str]) -> None:
+        self.runs, self.form, self.twisted = runs, form, twisted
+        self.batches = runs.batches
+
+    def __len__(self) -> int:
+        return len(self.runs)
+
+    def __getitem__(self, i: int) -> Any:
+        twist = self.twisted.get(i)
+        parts = [self.runs[i], i % 7 if twist == "int" else torch.tensor(i % 7)]
+        if twist == "longer":
+            parts.append(torch.tensor(i))
+        if self.form == "dict":
+            return dict(zip(["x", "y"] if twist == "keys" else ["x", "label", "extra"], parts))
+        return tuple(parts) if self.form == "tuple" else parts
+
+
+def composite_layout(batch: Any) -> Any:
+    if isinstance(batch, dict):
+        return "dict", tuple((k, composite_layout(v)) for k, v in batch.items())
+    if isinstance(batch, (list, tuple)):
+        return type(batch).__name__, tuple(composite_layout(v) for v in batch)
+    return layout(batch)
+
+
+@pytest.mark.parametrize("twist", [None, "longer", "keys", "int", *TWISTS])
+@pytest.mark.parametrize("form", ["tuple", "list", "dict"])
+def test_pairs_and_dicts_among_repeating_ones_are_torchs(form: str, twist: str | None) -> None:
+    """Samples of (input, label) in a tuple, list or dict: after a run that teaches every slot its
+    columns, one batch with a twisted sample (its input, or its container), then the run again."""
+    run = [(4, (3, 5), torch.float32, None, 0)] * 12
+    runs = Runs([*run, (4, (3, 5), torch.float32, twist if twist in TWISTS else None, 2), *run])
+    twisted = {} if twist in TWISTS or twist is None else {12 * 4 + 2: twist}
+    dataset = Composite(runs, form, twisted)
+    want = outcomes(tud.DataLoader(dataset, batch_sampler=dataset.batches), 2, composite_layout, original)
+    want = [[WORKERS_RAISE.get(entry, entry) for entry in epoch] for epoch in want]
+    got = outcomes(shmloader.DataLoader(dataset, batch_sampler=dataset.batches, num_workers=1,
+                                        persistent_workers=True), 2, composite_layout, original)
+    assert got == want
+    errors = [kind for epoch in got for kind, _ in epoch].count("error")
+    # (a dict's other keys are not looked at: only the first sample's are collated)
+    fails = twist in ("shape", "array", "int") or (twist == "longer") != (form == "dict") and twist in ("longer", "keys")
+    assert errors == (2 if fails else 0)

@@ -25,7 +25,7 @@ Each round checks what the functions promise, not only that they survive:
   ValueError for offsets outside the blob, or hands the key to ``_item``; ``plain_value``
   agrees with a Python model on random nested values;
 - ``read_slot`` over headers pointing anywhere, its leaves with the description or apart from it:
-  ValueError, or leaves inside their data region and a lone flag that is right; ``lend_lone`` over the same: ValueError or None with nothing lent,
+  ValueError, or leaves inside their data region and a lone flag that is right; ``lend_lone`` over the same (and a recipe's skeleton): ValueError or None with nothing lent,
   or one array lent inside the data region with its table's byte size; ``same_attr`` over getters that raise or empty the caller's list,
   and over builtin types' getters (called directly) answering as getattr does;
 - the synchronisation calls (``sem_*``, ``load_acquire``, ``store_*``,
@@ -166,20 +166,29 @@ def fuzz_read_slot(native: Any, rng: random.Random, g: Guarded) -> None:
 
 
 def fuzz_lend_lone(native: Any, rng: random.Random, g: Guarded) -> None:
-    """``lend_lone`` over the headers, tables and skeletons of ``fuzz_read_slot``, with stand-ins
-    for ``np.ndarray`` and ``torch.from_numpy``: ValueError with nothing lent; None with
-    ``bases`` as it was; or one batch lent whose array lies inside the slot's data region, with
-    the table's byte size and a shape that matches it."""
+    """``lend_lone`` over the headers, tables and skeletons of ``fuzz_read_slot``, and a recipe's
+    skeleton (a list, tuple or dict of 1-3 leaves), with stand-ins for ``np.ndarray`` and
+    ``torch.from_numpy``: ValueError with nothing lent; None with ``bases`` as it was; or one
+    batch lent: a lone leaf whose array lies inside the slot's data region, or the recipe's
+    container of leaves over an array of the whole region, each inside it, with the table's byte
+    sizes and shapes that match them."""
     lone = b"\x80\x05\x95\x04\x00\x00\x00\x00\x00\x00\x00K\x00Q."
     header, data = SEMS, SEMS + 256
     cap = rng.choice([512, 4096, SIZE - data, SIZE - data, SIZE - data + 8])
     fields = [rng.randrange(-5, 5) for _ in range(native.LAYOUT["N_HEADER_FIELDS"])]
     table_off, table_len, pickled_off, pickled_len = (native.LAYOUT[f] for f in ("F_TABLE_OFF", "F_TABLE_LEN", "F_PICKLED_OFF", "F_PICKLED_LEN"))
     region = native.LAYOUT["F_REGION"]
-    buf, n = random_table(native, rng, 1024, offsets=8, ndim=4, leaves=rng.choice([2, 2, 3])) or (bytearray(1024), 8)
+    buf, n = random_table(native, rng, 1024, offsets=8, ndim=4, leaves=rng.choice([2, 2, 3, 4])) or (bytearray(1024), 8)
     if rng.random() < 0.2:
         buf[rng.randrange(n)] = rng.randrange(256)
-    skeleton = lone if rng.random() < 0.9 else rng.randbytes(len(lone))
+    leaves = min(struct.unpack_from("<I", buf, 4)[0], 9)  # (the table's head: magic, count; a flipped byte's)
+    container, count = rng.randrange(3), rng.choice([leaves, leaves, leaves, rng.randrange(1, 4)])
+    keys = tuple(f"k{i}" for i in range(count)) if container == 2 else None
+    recipe_skeleton = rng.randbytes(rng.randrange(1, 40))
+    recipes: dict[bytes, Any] = {recipe_skeleton: (container, count, keys)}
+    if rng.random() < 0.05:  # a malformed recipe
+        recipes[recipe_skeleton] = rng.choice([(container,), (7, count, keys), (2, count, None), "x", (0, "n", None)])
+    skeleton = rng.choice([lone, lone, recipe_skeleton, rng.randbytes(len(lone))])
     g.view[data + 1024 : data + 1024 + n] = buf[:n]
     g.view[data + 2048 : data + 2048 + len(skeleton)] = skeleton
 
@@ -189,7 +198,7 @@ def fuzz_lend_lone(native: Any, rng: random.Random, g: Guarded) -> None:
     fields[table_off] = mostly(1024, -8, 2**62, SIZE, 1032)
     fields[table_len] = mostly(n, n - 1, 0, -1, 2**62)
     fields[pickled_off] = mostly(2048, -1, 2**62, 2049)
-    fields[pickled_len] = mostly(len(lone), len(lone) - 1, -1)
+    fields[pickled_len] = mostly(len(skeleton), len(skeleton) - 1, -1)
     fields[region] = mostly(0, 1, 2, -1)
     g.view[header : header + 8 * len(fields)] = struct.pack(f"<{len(fields)}q", *fields)
     hdr = mostly(header, header + 4, -8, SIZE - 64, SIZE)
@@ -205,27 +214,43 @@ def fuzz_lend_lone(native: Any, rng: random.Random, g: Guarded) -> None:
     bases = dict(held)
     max_lent = rng.choice([1, 2, 2])
     args = (g.view, (hdr,), (data,), cap, lone, region, 0, 0, np_dtypes, rng.choice([2, 32]), ndarray,
-            lambda a: ("batch", a), max_lent)
+            lambda a: ("batch", a), max_lent, "u8", recipes)
     try:
         built = native.lend_lone(0, bases, args)
-    except (ValueError, OverflowError):
+    except (ValueError, OverflowError, TypeError):
         g.check("lend_lone")
         assert bases == held
         return
     g.check("lend_lone")
     if built is None:
-        assert bases == held and not made
+        assert bases == held
         return
-    (tag, arr), nbytes = built
-    assert tag == "batch" and bases == {**held, 0: arr} and len(held) < max_lent and len(made) == 1
-    assert hdr == header and fields[region] == 0 and skeleton == lone and fields[pickled_len] == len(lone)
-    shape, dtype, buffer, offset = made[0]
-    code = int(dtype[len("dtype"):])
-    assert buffer is g.view and dtype == np_dtypes[code] and nbytes > 0
-    size = native.ITEMSIZES[code]
-    for d in shape:
-        size *= d
-    assert size == nbytes and data <= offset and offset + nbytes <= data + cap, (shape, offset, nbytes, cap)
+    batch, nbytes = built
+    assert hdr == header and fields[region] == 0 and len(held) < max_lent
+    assert fields[pickled_len] == len(skeleton) and skeleton in (lone, recipe_skeleton)
+    if skeleton == lone:
+        tag, arr = batch
+        assert tag == "batch" and bases == {**held, 0: arr} and len(made) == 1
+        leaves, within = made, data
+    else:
+        assert made[0] == ((cap,), "u8", g.view, data) and bases.keys() == {*held, 0}
+        leaves, within = made[1:], 0
+        assert len(leaves) == count
+        items = list(batch.values()) if container == 2 else batch
+        assert type(batch) is (list, tuple, dict)[container] and len(items) == count
+        assert container != 2 or tuple(batch) == keys
+        assert all(tag == "batch" for tag, _ in items)
+    total = 0
+    for shape, dtype, buffer, offset in leaves:
+        code = int(dtype[len("dtype"):])
+        assert dtype == np_dtypes[code]
+        assert buffer is (g.view if skeleton == lone else bases[0])
+        size = native.ITEMSIZES[code]
+        for d in shape:
+            size *= d
+        assert size > 0 and within <= offset and offset + size <= within + cap, (shape, offset, size, cap)
+        total += size
+    assert total == nbytes
 
 
 def fuzz_same_attr(native: Any, rng: random.Random, g: Guarded) -> None:

@@ -1,13 +1,16 @@
 """``_native.lend_lone`` builds what ``read_batch`` builds for a batch that is one tensor in its
-slot, and lends it as ``Leases.lend`` would; for anything else it answers None and changes
-nothing, so that ``read_batch`` builds that batch or says what is wrong with it. The tensor it
-lends over the slot's array is ``torch.from_numpy``'s."""
+slot, or a list, tuple or dict of tensors whose skeleton ``read_batch`` learnt (a recipe), and
+lends it as ``Leases.lend`` would; for anything else it answers None and changes nothing, so
+that ``read_batch`` builds that batch or says what is wrong with it. The tensors it lends over
+the slot's arrays are ``torch.from_numpy``'s."""
 
 from __future__ import annotations
 
 import gc
 import mmap
 import sys
+from collections import OrderedDict, namedtuple
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -15,6 +18,7 @@ import pytest
 import torch
 
 from shmloader import CorruptSlotError, _native
+from shmloader.main import lease
 from shmloader.main.lease import lone_args, read_batch
 from shmloader.wire.layout import Field, Region, RingGeometry
 from shmloader.wire.ring import _Views
@@ -38,6 +42,16 @@ def written(batch: Any, slot: int = 1) -> _Views:
 
 def lend(views: _Views, bases: dict[int, Any], slot: int = 1) -> tuple[Any, int] | None:
     return _native.lend_lone(slot, bases, lone_args(views, MOST_LENT))  # type: ignore[arg-type]
+
+
+@pytest.fixture(autouse=True)
+def no_recipes() -> Iterator[None]:
+    """Each test starts with no recipe learnt (read_batch learns them for the whole process)."""
+    saved = dict(lease.RECIPES)
+    lease.RECIPES.clear()
+    yield
+    lease.RECIPES.clear()
+    lease.RECIPES.update(saved)
 
 
 @pytest.mark.parametrize(
@@ -105,12 +119,140 @@ def test_writes_to_the_batch_land_in_the_slot() -> None:
     ],
     ids=["dict", "tuple", "list", "numpy", "bf16", "empty"],
 )
-def test_anything_but_one_tensor_is_left_to_read_batch(batch: Any) -> None:
+def test_anything_but_one_tensor_or_a_learnt_recipe_is_left_to_read_batch(batch: Any) -> None:
     views = written(batch)
     bases: dict[int, Any] = {}
-    assert lend(views, bases) is None
+    assert lend(views, bases) is None  # (no recipe learnt yet)
     assert bases == {}
     read_batch(views, 1)  # type: ignore[arg-type]  # which builds it
+
+
+def same_batch(got: Any, want: Any, memory: bool = True) -> None:
+    """The same container (type, keys) of tensors of the same dtype, shape and bytes (and with
+    ``memory``, over the same memory)."""
+    assert type(got) is type(want)
+    if isinstance(want, dict):
+        assert list(got) == list(want)
+        got, want = list(got.values()), list(want.values())
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert type(g) is torch.Tensor and g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
+        assert (g.data_ptr() == w.data_ptr() or not memory) and not g.requires_grad
+
+
+Pair = namedtuple("Pair", "x y")
+COLUMNS = [torch.arange(32 * 16, dtype=torch.float32).reshape(32, 16) / 7, torch.arange(32) % 10,
+           torch.arange(32 * 8).reshape(32, 8) > 100, torch.tensor(2.5, dtype=torch.float64)]
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        COLUMNS[:2],  # (input, label) samples: default_collate makes a list
+        tuple(COLUMNS),
+        {"input_ids": COLUMNS[1], "attention_mask": COLUMNS[2], "pixels": COLUMNS[0]},
+        [COLUMNS[0]],
+        {"x": COLUMNS[3]},
+    ],
+    ids=["list", "tuple", "dict", "list of one", "dict of one 0-d"],
+)
+def test_a_container_of_tensors_is_built_by_its_recipe_as_read_batch_builds_it(batch: Any) -> None:
+    views = written(batch)
+    assert lend(views, {}) is None  # the first: unpickled by read_batch, which learns its skeleton
+    read_batch(views, 1)  # type: ignore[arg-type]
+    assert len(lease.RECIPES) == 1
+    again = written(batch)  # (another batch of that skeleton)
+    bases: dict[int, Any] = {}
+    built = lend(again, bases)
+    assert built is not None
+    got, nbytes = built
+    want, _, want_nbytes = read_batch(again, 1)  # type: ignore[arg-type]
+    same_batch(got, want)
+    values = list(batch.values()) if isinstance(batch, dict) else batch
+    same_batch(got, batch, memory=False)
+    assert nbytes == want_nbytes == sum(t.nbytes for t in values)
+    assert list(bases) == [1] and type(bases[1]) is np.ndarray and bases[1].nbytes == GEOMETRY.data_bytes
+
+
+def test_a_recipe_builds_any_leaves_of_its_skeleton() -> None:
+    """The skeleton of a pair names no dtype or shape: the table's are built."""
+    read_batch(written([torch.zeros(3), torch.zeros(2, dtype=torch.int64)]), 1)  # type: ignore[arg-type]
+    pair = [torch.arange(12, dtype=torch.int16).reshape(3, 4), torch.tensor([True, False])]
+    built = lend(written(pair), {})
+    assert built is not None
+    same_batch(built[0], pair, memory=False)
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        Pair(torch.arange(3), torch.arange(3)),  # a class: unpickled
+        OrderedDict(x=torch.arange(3)),
+        {1: torch.arange(3)},  # not a str key
+        {"x": torch.arange(3), "y": [torch.arange(2)]},  # nested
+        [torch.arange(3), 7],  # not only leaves
+        [torch.arange(3)] * 2,  # one tensor twice: one leaf
+        [torch.arange(6)[1:3], torch.arange(2)],  # a view of part of a storage (a VIEW, not a leaf)
+        [],
+    ],
+    ids=["namedtuple", "OrderedDict", "int key", "nested", "a number", "twice", "view", "empty"],
+)
+def test_only_a_plain_container_of_its_own_leaves_in_order_is_learnt(batch: Any) -> None:
+    views = written(batch)
+    read_batch(views, 1)  # type: ignore[arg-type]
+    assert lease.RECIPES == {}
+    assert lend(views, {}) is None
+
+
+def test_a_recipe_is_learnt_only_for_the_skeleton_the_workers_write() -> None:
+    """A skeleton that unpickles to a list of the leaves some other way (here: the list's items
+    set one by one after it is made) is not a recipe's: its opcodes are not the pickler's."""
+    leaves = [torch.arange(3), torch.arange(2)]
+    views = written(leaves)
+    read_batch(views, 1)  # type: ignore[arg-type]
+    (skeleton,) = lease.RECIPES
+    lease.RECIPES.clear()
+    odd = b"\x80\x05](K\x00QK\x01Qe."  # (no frame, no memo: unpickles to the same list)
+    assert odd != skeleton
+    lease.learn_recipe(odd, list(leaves), leaves)
+    assert lease.RECIPES == {}
+    lease.learn_recipe(skeleton, list(leaves), leaves)
+    assert lease.RECIPES == {skeleton: (0, 2, None)}
+
+
+@pytest.mark.parametrize("odd", ["bf16", "empty", "numpy", "more leaves"])
+def test_a_recipe_leaves_what_it_does_not_build_to_read_batch(odd: str) -> None:
+    read_batch(written([torch.arange(3), torch.arange(2)]), 1)  # type: ignore[arg-type]
+    second = {"bf16": torch.zeros(2, dtype=torch.bfloat16), "empty": torch.zeros(0), "numpy": np.arange(2)}
+    if odd == "more leaves":  # the pair's skeleton over a table of three leaves (a torn write)
+        views = written([torch.arange(3), torch.arange(2), torch.arange(4)])
+        (skeleton,) = lease.RECIPES
+        at = views.data_offsets[1] + 4096
+        views.bytes[at : at + len(skeleton)] = np.frombuffer(skeleton, np.uint8)
+        views.headers[1][Field.PICKLED_OFF], views.headers[1][Field.PICKLED_LEN] = 4096, len(skeleton)
+    else:
+        views = written([torch.arange(3), second[odd]])
+    bases: dict[int, Any] = {}
+    assert lend(views, bases) is None and bases == {}
+    if odd == "more leaves":  # (what was refused: a recipe of three leaves would build it)
+        lease.RECIPES[skeleton] = (0, 3, None)
+        built = lend(views, bases)
+        assert built is not None and [t.tolist() for t in built[0]] == [[0, 1, 2], [0, 1], [0, 1, 2, 3]]
+
+
+def test_a_recipes_slot_comes_back_when_its_last_leaf_is_gone() -> None:
+    read_batch(written([torch.arange(100, dtype=torch.int32), torch.arange(4)]), 1)  # type: ignore[arg-type]
+    views = written([torch.arange(100, dtype=torch.int32), torch.arange(4)])
+    bases: dict[int, Any] = {}
+    built = lend(views, bases)
+    assert built is not None
+    label = built[0][1]
+    del built
+    gc.collect()
+    assert _native.unviewed(bases, False) == []  # the label still views the slot
+    assert label.tolist() == [0, 1, 2, 3]
+    del label
+    assert _native.unviewed(bases, True) == [1] and bases == {}
 
 
 @pytest.mark.parametrize(
@@ -170,3 +312,35 @@ def test_it_refuses_what_is_not_its_arguments() -> None:
         assert _native.lend_lone(1, {0: 0, 2: 0}, args) is None
     after = sys.getrefcount(views.mm)
     assert after == refs  # nothing kept
+    with pytest.raises(TypeError):
+        _native.lend_lone(1, {}, (*args[:-1], []))  # recipes: a dict
+
+
+@pytest.mark.parametrize("recipe, error", [((0, 2), TypeError), ((5, 2, None), ValueError),
+                                           ((2, 2, None), ValueError), ((2, 2, ("x",)), ValueError),
+                                           ((0, "two", None), TypeError)])
+def test_a_malformed_recipe_raises_and_lends_nothing(recipe: Any, error: type) -> None:
+    views = written([torch.arange(3), torch.arange(2)])
+    read_batch(views, 1)  # type: ignore[arg-type]
+    (skeleton,) = lease.RECIPES
+    lease.RECIPES[skeleton] = recipe
+    bases: dict[int, Any] = {}
+    with pytest.raises(error):
+        lend(views, bases)
+    assert bases == {}
+
+
+def test_building_by_recipe_keeps_nothing() -> None:
+    batch = {"x": torch.arange(8), "y": torch.arange(3)}
+    read_batch(written(batch), 1)  # type: ignore[arg-type]
+    views = written(batch)
+    args = lone_args(views, MOST_LENT)  # type: ignore[arg-type]
+    recipe = next(iter(lease.RECIPES.values()))
+    refs = sys.getrefcount(views.mm), sys.getrefcount(recipe), sys.getrefcount(recipe[2][0])
+    for _ in range(100):
+        bases: dict[int, Any] = {}
+        built = _native.lend_lone(1, bases, args)
+        assert built is not None
+        del built
+        assert _native.unviewed(bases, True) == [1]
+    assert (sys.getrefcount(views.mm), sys.getrefcount(recipe), sys.getrefcount(recipe[2][0])) == refs

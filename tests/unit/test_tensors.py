@@ -258,10 +258,11 @@ def test_collate_into_a_slot_equals_default_collate_with_and_without_it(
     mm = mmap.mmap(-1, 1 << 16)
     writer = SlotWriter(mm)
     fn_map = slot_collate_map(writer)
-    for _ in range(3):  # the first batch the general way, the next ones stack_lone's
+    for _ in range(3):  # the first batch the general way, the next ones restack's
         writer.begin(4096, 1 << 15)
-        batch = writer.stack_lone(samples) if isinstance(samples[0], torch.Tensor) else None
+        batch = writer.restack(samples)
         if batch is None:
+            writer.samples_type = type(samples[0])
             batch = torch.utils.data._utils.collate.collate(samples, collate_fn_map=fn_map)
             writer.finish(batch)
         same(batch, default_collate(samples))
