@@ -1,4 +1,4 @@
-"""The benchmark's workloads: transport-bound (tiny, tokens, image, hold), real (jpeg, memmap,
+"""The benchmark's workloads: transport-bound (tiny, tokens, image, pairs, hold), real (jpeg, memmap,
 varlen), and a dataset that reads a large index of Python objects, as a plain list (index) or
 through ``shmloader.share()`` (shared-index): what its workers copy shows in "loader MB".
 
@@ -33,6 +33,21 @@ class Ready(Dataset):  # type: ignore[type-arg]
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return self.item
+
+
+class ReadyPairs(Dataset):  # type: ignore[type-arg]
+    """(image, class) pairs as torchvision's datasets return them: one preallocated tensor and a
+    Python int per sample; the batch is a list of two tensors. Only transport is measured."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, n: int) -> None:
+        self.item = torch.ones(shape, dtype=dtype)
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.item, i % 10
 
 
 class Index(Dataset):  # type: ignore[type-arg]
@@ -206,6 +221,8 @@ WORKLOADS: dict[str, Workload] = {
         Workload("tiny", 32, 2000, 300, _ready((16,), torch.float32), "32 x float32[16], ready tensors"),
         Workload("tokens", 64, 2000, 300, _ready((512,), torch.int64), "64 x int64[512], ready tensors"),
         Workload("image", 128, 200, 30, _ready((3, 224, 224), torch.uint8), "128 x uint8[3,224,224], ready tensors"),
+        Workload("pairs", 64, 2000, 300, lambda cache, quick, data, n: ReadyPairs((3, 32, 32), torch.uint8, n),
+                 "64 x (uint8[3,32,32], int class), ready: CIFAR's (image, label) pairs"),
         Workload("big", 16, 12, 4, _ready((4096, 1024), torch.float32),
                  "16 x float32[4096,1024] (256 MiB), ready tensors: the workers the bottleneck", by_name=True),
         Workload("hold", 64, 600, 200, _ready((1024,), torch.float32),

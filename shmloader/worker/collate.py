@@ -333,7 +333,7 @@ class SlotWriter:
         needed = self._write_layout(layout)
         stacked = self._stacked
         if self.fits and len(stacked) == 1 and stacked[0].out is batch:
-            self._remember(stacked, torch.Tensor, layout)
+            self._remember(stacked, stacked[0].number or torch.Tensor, layout)
         return needed
 
     def _write_layout(self, layout: Layout) -> int:
@@ -375,17 +375,23 @@ Layout = tuple[int, int, int, int, int, bytes]
 
 
 class _Column(NamedTuple):
-    """How ``_stack_into_slot`` stacked one column of a batch (its samples' tensors) into the slot."""
+    """How one column of a batch (its samples' tensors, or numbers) went into the slot: stacked
+    by ``_stack_into_slot``, or made a tensor by ``_numbers_into_slot``."""
 
     n: int  # samples
     shape: torch.Size  # of a sample
     dtype: torch.dtype
     out: torch.Tensor  # the slot's view they were stacked into
+    number: type | None = None  # numbers: their type (int, float, bool), and out as an array
+    array: np.ndarray[Any, Any] | None = None
 
     def stack(self, samples: Any) -> bool:
         """Stack ``samples`` into ``out`` again: one memcpy each (plain tensors), or
-        ``torch.stack`` when they are tensors like the planned ones (sample shape, dtype). False,
-        when they are not (the general way then collates them, and writes the slot again)."""
+        ``torch.stack`` when they are tensors like the planned ones (sample shape, dtype);
+        numbers as torch's collate makes them a tensor. False, when they are not (the general
+        way then collates them, and writes the slot again)."""
+        if self.number is not None:
+            return self._numbers(samples)
         if _stack_into is not None and _stack_into(samples, self.out):
             return True
         elem = samples[0]
@@ -399,12 +405,26 @@ class _Column(NamedTuple):
         except (RuntimeError, AttributeError):
             return False  # unequal shapes, a number among tensors: the general way raises torch's own error
 
+    def _numbers(self, samples: Any) -> bool:
+        """Numbers all of the planned type, written as torch's collate makes them a tensor (of
+        ints int64, of floats float64, of bools bool): numpy converts each exactly, or raises
+        (a value out of int64's range: the general way raises torch's own error)."""
+        if (len(samples) != self.n or _NUMBER_DTYPES.get(self.number) is not self.dtype
+                or set(map(type, samples)) != {self.number}):
+            return False
+        assert self.array is not None
+        try:
+            self.array[...] = samples
+        except (OverflowError, ValueError, TypeError):
+            return False
+        return True
+
 
 class _Restack(NamedTuple):
     """How the default collate stacked the last batch at a slot (``SlotWriter.restack``)."""
 
     columns: tuple[_Column, ...]
-    samples_type: type  # torch.Tensor (the batch is the one column's view), tuple, list or dict
+    samples_type: type  # tuple, list or dict; or torch.Tensor, int, float (the batch is its one column)
     keys: tuple[str, ...] | None  # a dict's
     used: int
     layout: Layout
@@ -415,7 +435,7 @@ class _Restack(NamedTuple):
         elem, columns = samples[0], self.columns
         if type(elem) is not self.samples_type:
             return None
-        if self.samples_type is torch.Tensor:
+        if self.samples_type is torch.Tensor or self.samples_type is columns[0].number:  # (the batch is one column)
             return columns[0].out if columns[0].stack(samples) else None
         keys = self.keys
         try:
@@ -487,6 +507,24 @@ def _stack_into_slot(
     return stacked
 
 
+def _numbers_into_slot(writer: SlotWriter, collate: Callable[..., torch.Tensor], batch: list[Any], *,
+                       collate_fn_map: dict[Any, Callable[..., Any]] | None = None) -> torch.Tensor:
+    """torch's ``collate_int_fn`` or ``collate_float_fn`` (a tensor of the numbers), its tensor
+    written into the slot, so that a batch's labels are a column ``SlotWriter.restack`` makes
+    again as it stacks the batch's tensors."""
+    made = collate(batch, collate_fn_map=collate_fn_map)
+    if type(made) is not torch.Tensor or made.dtype not in CODE_OF_DTYPE:
+        return made
+    out = writer.tensor(made.dtype, tuple(made.shape))
+    out.copy_(made)
+    writer._stacked.append(_Column(len(batch), torch.Size(()), made.dtype, out, type(batch[0]), out.numpy()))
+    return out
+
+
+# The dtype torch's collate gives numbers all of one type (torch.tensor of ints, of bools; floats as float64)
+_NUMBER_DTYPES = {int: torch.int64, float: torch.float64, bool: torch.bool}
+
+
 def _torch_collate_tensor(batch: list[Any], collate_fn_map: dict[Any, Callable[..., Any]] | None) -> torch.Tensor:
     """torch's own ``collate_tensor_fn`` (as its workers run it), for samples that are not all
     tensors, or nested or sparse ones: what torch's workers refuse fails with their exception
@@ -497,8 +535,12 @@ def _torch_collate_tensor(batch: list[Any], collate_fn_map: dict[Any, Callable[.
 
 def slot_collate_map(writer: SlotWriter) -> dict[Any, Callable[..., Any]]:
     """torch's ``default_collate_fn_map`` (user additions included) with the tensor
-    entry replaced by a stack into ``writer``'s slot."""
+    entry replaced by a stack into ``writer``'s slot, and the int and float entries by their
+    tensor written into it."""
     fn_map = dict(torch_collate.default_collate_fn_map)
     if fn_map.get(torch.Tensor) is torch_collate.collate_tensor_fn:
         fn_map[torch.Tensor] = functools.partial(_stack_into_slot, writer)
+    for kind, numbers in ((int, torch_collate.collate_int_fn), (float, torch_collate.collate_float_fn)):
+        if fn_map.get(kind) is numbers:
+            fn_map[kind] = functools.partial(_numbers_into_slot, writer, numbers)
     return fn_map

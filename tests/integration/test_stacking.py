@@ -50,7 +50,7 @@ def compare(plan: list[tuple[int, tuple[int, ...], torch.dtype, str | None, int]
 WORKERS_RAISE = {
     ("error", ("TypeError", f"expected Tensor as element {k} in argument 0, but got {name}")):
         ("error", ("AttributeError", f"'{name}' object has no attribute 'numel'"))
-    for k in range(1, 8) for name in ("numpy.ndarray", "int")
+    for k in range(1, 8) for name in ("numpy.ndarray", "int", "float")
 }
 
 
@@ -104,12 +104,13 @@ def test_property_runs_of_layouts_are_torchs(plan: list[tuple[int, tuple[int, ..
 
 class Composite(tud.Dataset):  # type: ignore[type-arg]
     """``Runs``' samples as the input of a (input, label) pair, in a tuple, a list or a dict (the
-    default collate stacks each column), the label a 0-d int64 tensor seeded by the index. The
-    run's twists apply to the input; these to the container of the sample at ``spot``: "longer"
-    (one more tensor), "keys" (another key), "int" (the label a Python int)."""
+    default collate stacks each column), the label seeded by the index: a 0-d int64 tensor, a
+    Python int or a float. The run's twists apply to the input; these to the container of the
+    sample at ``spot``: "longer" (one more tensor), "keys" (another key), or its label another
+    kind ("int", "float", "tensor")."""
 
-    def __init__(self, runs: Runs, form: str, twisted: dict[int, str]) -> None:
-        self.runs, self.form, self.twisted = runs, form, twisted
+    def __init__(self, runs: Runs, form: str, twisted: dict[int, str], label: str = "tensor") -> None:
+        self.runs, self.form, self.twisted, self.label = runs, form, twisted, label
         self.batches = runs.batches
 
     def __len__(self) -> int:
@@ -117,7 +118,8 @@ class Composite(tud.Dataset):  # type: ignore[type-arg]
 
     def __getitem__(self, i: int) -> Any:
         twist = self.twisted.get(i)
-        parts = [self.runs[i], i % 7 if twist == "int" else torch.tensor(i % 7)]
+        label: Any = torch.tensor(i % 7) if self.label == "tensor" else i % 7 if self.label == "int" else i / 4
+        parts = [self.runs[i], {"int": i % 7, "float": i / 4, "tensor": torch.tensor(i % 7)}.get(twist or "", label)]
         if twist == "longer":
             parts.append(torch.tensor(i))
         if self.form == "dict":
@@ -133,15 +135,19 @@ def composite_layout(batch: Any) -> Any:
     return layout(batch)
 
 
-@pytest.mark.parametrize("twist", [None, "longer", "keys", "int", *TWISTS])
-@pytest.mark.parametrize("form", ["tuple", "list", "dict"])
-def test_pairs_and_dicts_among_repeating_ones_are_torchs(form: str, twist: str | None) -> None:
+@pytest.mark.parametrize("twist", [None, "longer", "keys", "int", "float", "tensor", *TWISTS])
+@pytest.mark.parametrize("form, label", [("tuple", "tensor"), ("list", "tensor"), ("dict", "tensor"), ("tuple", "int"),
+                                         ("dict", "float")])
+def test_pairs_and_dicts_among_repeating_ones_are_torchs(form: str, label: str, twist: str | None) -> None:
     """Samples of (input, label) in a tuple, list or dict: after a run that teaches every slot its
-    columns, one batch with a twisted sample (its input, or its container), then the run again."""
+    columns, one batch with a twisted sample (its input, its container, or its label), then the
+    run again."""
+    if twist == label:
+        pytest.skip("no twist")
     run = [(4, (3, 5), torch.float32, None, 0)] * 12
     runs = Runs([*run, (4, (3, 5), torch.float32, twist if twist in TWISTS else None, 2), *run])
     twisted = {} if twist in TWISTS or twist is None else {12 * 4 + 2: twist}
-    dataset = Composite(runs, form, twisted)
+    dataset = Composite(runs, form, twisted, label)
     want = outcomes(tud.DataLoader(dataset, batch_sampler=dataset.batches), 2, composite_layout, original)
     want = [[WORKERS_RAISE.get(entry, entry) for entry in epoch] for epoch in want]
     got = outcomes(shmloader.DataLoader(dataset, batch_sampler=dataset.batches, num_workers=1,
@@ -149,5 +155,7 @@ def test_pairs_and_dicts_among_repeating_ones_are_torchs(form: str, twist: str |
     assert got == want
     errors = [kind for epoch in got for kind, _ in epoch].count("error")
     # (a dict's other keys are not looked at: only the first sample's are collated)
-    fails = twist in ("shape", "array", "int") or (twist == "longer") != (form == "dict") and twist in ("longer", "keys")
+    # (numbers of both kinds, or with a 0-d tensor, make one tensor: torch.tensor of them)
+    fails = (twist in ("shape", "array") or (twist == "longer") != (form == "dict") and twist in ("longer", "keys")
+             or label == "tensor" and twist in ("int", "float"))
     assert errors == (2 if fails else 0)

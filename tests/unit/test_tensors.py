@@ -271,6 +271,93 @@ def test_collate_into_a_slot_equals_default_collate_with_and_without_it(
         assert any(stacked) == plain and stacked, stacked
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["stack_into", "torch.stack"])
+@pytest.mark.parametrize(
+    "samples",
+    [
+        [(torch.arange(12.0).view(3, 4) + i, torch.tensor(i)) for i in range(6)],
+        [(torch.arange(12.0).view(3, 4) + i, i) for i in range(6)],  # torchvision's (image, class)
+        [[torch.arange(4) * i, i / 3, torch.ones(2, dtype=torch.bool)] for i in range(6)],
+        [{"input_ids": torch.arange(8) + i, "label": i % 2, "score": i / 7} for i in range(6)],
+        [torch.arange(3) + i for i in range(6)],
+        list(range(6)),
+        [(torch.arange(2) * i, i % 3 == 0) for i in range(6)],
+    ],
+    ids=["tensor pairs", "int labels", "lists", "dicts", "tensors", "ints", "bool labels"],
+)
+def test_a_batch_like_the_last_one_at_its_slot_is_stacked_again_in_one_step(
+        samples: list[Any], fast: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``restack``: the first batch the general way (its columns remembered), the next ones in one
+    step, each default_collate's batch, with the same skeleton and leaf table in the slot."""
+    if not fast:
+        monkeypatch.setattr(_collate, "_stack_into", None)
+    mm = mmap.mmap(-1, 1 << 16)
+    writer = SlotWriter(mm)
+    fn_map = slot_collate_map(writer)
+    restacked, described = [], []
+    for _ in range(3):
+        writer.begin(4096, 1 << 15)
+        batch = writer.restack(samples)
+        restacked.append(batch is not None)
+        if batch is None:
+            writer.samples_type = type(samples[0])
+            batch = torch.utils.data._utils.collate.collate(samples, collate_fn_map=fn_map)
+            writer.finish(batch)
+        same(batch, default_collate(samples))
+        at, end = 4096 + writer.pickled_off, 4096 + writer.table_off + writer.table_len
+        described.append((writer.pickled_off, writer.pickled_len, writer.table_off, writer.table_len,
+                          writer.dataset_state_off, bytes(mm[at : at + writer.pickled_len]), bytes(mm[4096 + writer.table_off : end])))
+    assert restacked == [False, True, True]
+    assert described[0] == described[1] == described[2]
+
+
+@pytest.mark.parametrize("label", [2**63, 2.5, True, np.int64(3)], ids=["overflow", "a float", "a bool", "a numpy int"])
+def test_labels_unlike_the_last_batch_s_are_collated_the_general_way(label: Any) -> None:
+    """After a batch of int labels, one whose labels are not all Python ints is not written as
+    ints: its tensor is torch's (promoted, or its error)."""
+    mm = mmap.mmap(-1, 1 << 16)
+    writer = SlotWriter(mm)
+    fn_map = slot_collate_map(writer)
+    first = [(torch.arange(3), i) for i in range(4)]
+    writer.begin(4096, 1 << 15)
+    writer.samples_type = tuple
+    writer.finish(torch.utils.data._utils.collate.collate(first, collate_fn_map=fn_map))
+    odd = [*first[:2], (torch.arange(3), label), first[3]]
+    writer.begin(4096, 1 << 15)
+    assert writer.restack(odd) is None
+    try:
+        want = default_collate(odd)
+    except Exception as exc:
+        with pytest.raises(type(exc), match=str(exc)):
+            torch.utils.data._utils.collate.collate(odd, collate_fn_map=fn_map)
+    else:
+        same(torch.utils.data._utils.collate.collate(odd, collate_fn_map=fn_map), want)
+
+
+def test_restack_leaves_a_user_s_collate_entry_for_containers_alone() -> None:
+    """A collate map entry of the user's for tuples (``default_collate_fn_map`` extended) is called
+    for every batch: such samples are not stacked again in one step."""
+    calls = []
+
+    def tuples(batch: list[Any], *, collate_fn_map: Any = None) -> Any:
+        calls.append(len(batch))
+        return [torch.utils.data._utils.collate.collate(list(c), collate_fn_map=collate_fn_map) for c in zip(*batch)]
+
+    from shmloader.worker.produce import Producer, WorkerConfig
+    cfg = WorkerConfig(worker_id=0, num_workers=1, dataset=[(torch.arange(3) + i, i) for i in range(8)],
+                       iterable=False, auto_collation=True, collate_fn=default_collate, drop_last=False, base_seed=0,
+                       worker_init_fn=None, parent_pid=os.getpid())
+    mm = mmap.mmap(-1, 1 << 16)
+    writer = SlotWriter(mm)
+    fn_map = {tuple: tuples, **slot_collate_map(writer)}
+    producer = Producer(cfg)
+    for k in range(3):
+        writer.begin(4096, 1 << 15)
+        outcome, batch = producer.produce(0, [2 * k, 2 * k + 1], writer, fn_map)
+        same(batch, [torch.stack([torch.arange(3) + 2 * k, torch.arange(3) + 2 * k + 1]), torch.tensor([2 * k, 2 * k + 1])])
+    assert calls == [2, 2, 2]
+
+
 def test_the_environment_variable_turns_it_off_and_says_how_to_turn_it_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(_accel.OFF_VARIABLE, "1")
     assert _accel.learn() == (None, ("SHMLOADER_NO_FAST_PATH is set in the environment", "unset SHMLOADER_NO_FAST_PATH"))
