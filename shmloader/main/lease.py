@@ -299,7 +299,7 @@ def read_batch(ring: Ring, slot: int, convert: LeafConverter | None = None,
 # read_batch learns one from the first batch of each skeleton it unpickles.
 RECIPES: dict[bytes, tuple[int, int, tuple[str, ...] | None]] = {}
 _MOST_RECIPES = 64  # (a batch whose keys vary without end is unpickled, as before)
-_CONTAINERS = {list: 0, tuple: 1, dict: 2}  # (native/_native.c's R_LIST, R_TUPLE, R_DICT)
+_CONTAINERS: dict[type, int] = {list: 0, tuple: 1, dict: 2}  # (native/_native.c's R_LIST, R_TUPLE, R_DICT)
 
 
 class _StandIn:

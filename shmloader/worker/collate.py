@@ -66,7 +66,7 @@ class SlotWriter:
         self._bytes = None if mm is None else np.frombuffer(mm, dtype=np.uint8)
         self._views: dict[tuple[int, int, int, tuple[int, ...]], Any] = {}  # (offset, code, kind, shape) -> view
         # (data offset, bytes used, leaf) -> layout of a one-leaf batch's skeleton and table (_finish_lone)
-        self._lone: dict[tuple[int, int, Leaf], tuple[int, int, int, int, bytes]] = {}
+        self._lone: dict[tuple[int, int, Leaf], Layout] = {}
         # data offset -> how the last batch of the default collate was stacked there (restack)
         self._stacks: dict[int, _Restack] = {}
         # Set before a batch of the default collate is collated: its samples' type (a batch
@@ -409,8 +409,9 @@ class _Column(NamedTuple):
         """Numbers all of the planned type, written as torch's collate makes them a tensor (of
         ints int64, of floats float64, of bools bool): numpy converts each exactly, or raises
         (a value out of int64's range: the general way raises torch's own error)."""
-        if (len(samples) != self.n or _NUMBER_DTYPES.get(self.number) is not self.dtype
-                or set(map(type, samples)) != {self.number}):
+        number = self.number
+        if (len(samples) != self.n or number is None or _NUMBER_DTYPES.get(number) is not self.dtype
+                or set(map(type, samples)) != {number}):
             return False
         assert self.array is not None
         try:
@@ -441,7 +442,7 @@ class _Restack(NamedTuple):
         try:
             if keys is None:  # (default_collate raises for samples of unequal lengths: the general way)
                 transposed: list[Any] = list(zip(*samples, strict=True))
-            elif tuple(elem) == keys:
+            elif tuple(samples[0]) == keys and set(map(type, samples[0])) == {str}:  # (a dict, as samples_type says)
                 transposed = [[d[key] for d in samples] for key in keys]
             else:
                 return None
