@@ -4,7 +4,9 @@ The limit is the dataset's own work (the sampler, ``__getitem__``, the collate a
 read of each batch) run in ``num_workers`` processes at once, with no loader between them:
 what the CPUs give that work when nothing else runs. Issue 52 estimated it as ``num_workers``
 times the one-process rate (the ``dataset`` row); the ``limit`` row measures it. Then torch and
-shmloader move the same batches to one loop, in order and with ``in_order=False``.
+shmloader move the same batches to one loop, in order and with ``in_order=False``; ``bare ring``
+(``bench/bare_ring.py``) moves them through shared memory as any such loader must and does
+nothing else: the floor of the design on this machine.
 
 Each row is a fresh process, alternated per round. For each loader the CPU a batch cost is
 accounted: the main process's, the workers', and the machine's idle CPU time (``/proc/stat``,
