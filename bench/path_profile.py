@@ -53,7 +53,8 @@ MAIN_STEPS = [
     (_consume.RingIterator, "_round", "a round: the per-batch pass (never waits)"),
     (_slots.Scheduler, "step", "step: slots back, results in, tasks out (index, write, post: wakes a worker), "
                                "the batch taken (one native call)"),
-    (_native, "lend_lone", "one-tensor batch: header check, table decode, view, lease (one native call)"),
+    (_native, "lend_lone", "one tensor, or a learnt list, tuple or dict of them: header check, table decode, "
+                           "views, lease (one native call)"),
     (_delivery, "read_batch", "other batches: header check, table decode, views"),
     (_consume.RingIterator, "_on_event", "step's events: overflow, piped batches, errors, ends of shards"),
     (_wait.Waiter, "block", "wait: sched_yield and look again, then sleep on the ready semaphore"),
@@ -65,7 +66,8 @@ MAIN_STEPS = [
 WORKER_STEPS = [
     (_ring.AttachedRing, "take_task", "wait for a task and read it (task semaphore, header, index)"),
     (_produce.Producer, "_samples", "fetch samples (__getitem__)"),
-    (_collate, "_stack_into_slot", "stack into the slot (torch.stack out=)"),
+    (_collate.SlotWriter, "restack", "a batch like the last at its slot, in one step (stack, skeleton, table)"),
+    (_collate, "_stack_into_slot", "the general way: stack into the slot (torch.stack out=)"),
     (_collate.SlotWriter, "finish", "skeleton and leaf table"),
     (_collate.SlotWriter, "leaf_id", "  of which its tensors: found in the slot, or copied there (a collate_fn's)"),
     (_worker.Publisher, "publish", "publish (header, DONE, post; doorbell when async waits)"),

@@ -514,15 +514,16 @@ static PyObject *lend_lone(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (f[region_field] != slot_region) goto none;
     int one = skeleton_is(f, base, skeleton, skeleton_len);
     if (!one) { /* (slot_fields checked the skeleton's span) */
-        PyObject *pickled = PyBytes_FromStringAndSize(base + f[F_PICKLED_OFF], (Py_ssize_t)f[F_PICKLED_LEN]);
-        if (pickled == NULL) goto done;
-        recipe = PyDict_GetItemWithError(PyTuple_GET_ITEM(lone, L_RECIPES), pickled);
-        Py_DECREF(pickled);
-        if (recipe == NULL) {
-            if (PyErr_Occurred()) goto done;
-            goto none;
-        }
-        Py_INCREF(recipe);
+        /* Compared in place, by length first: a skeleton that is no recipe's (one with the
+           batch's strings, say) is neither copied nor hashed. No Python code runs meanwhile. */
+        const char *pickled = base + f[F_PICKLED_OFF];
+        Py_ssize_t pos = 0, pickled_len = (Py_ssize_t)f[F_PICKLED_LEN];
+        PyObject *key, *value;
+        while (recipe == NULL && PyDict_Next(PyTuple_GET_ITEM(lone, L_RECIPES), &pos, &key, &value))
+            if (PyBytes_Check(key) && PyBytes_GET_SIZE(key) == pickled_len &&
+                memcmp(PyBytes_AS_STRING(key), pickled, (size_t)pickled_len) == 0)
+                recipe = Py_NewRef(value);
+        if (recipe == NULL) goto none;
     }
     entries = decode_entries(base + f[F_TABLE_OFF], (Py_ssize_t)f[F_TABLE_LEN], cap);
     if (entries == NULL) {

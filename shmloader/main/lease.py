@@ -288,7 +288,7 @@ def read_batch(ring: Ring, slot: int, convert: LeafConverter | None = None,
         raise  # a class the main process cannot find (defined only in the worker?): said as is
     except Exception as exc:
         raise CorruptSlotError(f"slot {slot}: the batch's skeleton does not unpickle ({exc!r}): a torn write") from exc
-    if where is None and len(RECIPES) < _MOST_RECIPES and skeleton not in RECIPES:
+    if where is None and len(RECIPES) < _MOST_RECIPES:
         learn_recipe(skeleton, batch, leaves)
     return batch, base, total
 
@@ -327,8 +327,8 @@ def learn_recipe(skeleton: bytes, batch: Any, leaves: list[Any]) -> None:
     keys = tuple(batch) if type(batch) is dict else None
     items = list(batch.values()) if keys is not None else batch
     if (not leaves or len(items) != len(leaves) or any(a is not b for a, b in zip(items, leaves))
-            or (keys is not None and not all(type(k) is str for k in keys))):
-        return
+            or (keys is not None and not all(type(k) is str for k in keys)) or skeleton in RECIPES):
+        return  # (the skeleton hashed last: a batch of other objects may have a long one, its strings)
     stand_ins = [_StandIn(i) for i in range(len(leaves))]
     shaped = dict(zip(keys, stand_ins)) if keys is not None else type(batch)(stand_ins)
     buf = io.BytesIO()
