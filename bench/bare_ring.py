@@ -10,9 +10,11 @@ is a crash. ``bench/dataset_limit.py``'s ``bare ring`` row runs it beside the pr
 what the product costs above this floor is measured, not guessed.
 
 A batch of the default collate (samples of tensors, or tuples of them) is stacked into the slot
-column by column (``torch.stack(out=)``), as shmloader's workers do; any other ``collate_fn``'s
-tensors are copied into the slot (the one copy a multi-process loader makes of what a
-``collate_fn`` allocates) and whatever else it returns is pickled after them.
+column by column (``torch.stack(out=)``), as shmloader's workers do (a column of numbers is
+collated by torch and copied in); any other ``collate_fn``'s tensors (it returns a dict) are
+copied into the slot (the one copy a multi-process loader makes of what a ``collate_fn``
+allocates) and whatever else it returns is pickled after them. A worker's error (a batch larger
+than a slot, say) is raised by the loop as a RuntimeError with its message.
 """
 
 from __future__ import annotations
@@ -32,10 +34,14 @@ import torch
 
 HEADER = 4096  # a slot's header page: state, batch number, and where its pickled description lies
 SLOT_BYTES = 4 << 20  # a slot's data
-FREE, TASK, DONE = 0, 1, 2
+FREE, TASK, DONE, FAILED = 0, 1, 2, 3
 
 
-def _tensor_into(t: torch.Tensor, mm: mmap.mmap, at: int) -> tuple[Any, ...]:
+def _tensor_into(t: torch.Tensor, mm: mmap.mmap, at: int, end: int) -> tuple[Any, ...]:
+    """``t`` copied into ``mm`` at ``at`` (a ValueError when it would pass ``end``): its description."""
+    if at + t.nbytes > end:
+        needed = at + t.nbytes - end + SLOT_BYTES
+        raise ValueError(f"a batch of {needed} bytes or more does not fit a slot of {SLOT_BYTES}")
     view = torch.frombuffer(mm, dtype=t.dtype, count=t.numel(), offset=at).view(t.shape)
     view.copy_(t)
     return ("t", t.dtype, tuple(t.shape), at)
@@ -84,33 +90,47 @@ class BareRing:
                 if h[0] != TASK:
                     continue
                 k = int(h[1])
-                samples = [self.ds[i] for i in range(k * self.bs, (k + 1) * self.bs)]
-                described = self._into_slot(samples, s * self.stride + HEADER)
+                try:
+                    samples = [self.ds[i] for i in range(k * self.bs, (k + 1) * self.bs)]
+                    described, state = self._into_slot(samples, s * self.stride + HEADER), DONE
+                except Exception as exc:
+                    described, state = f"{type(exc).__name__}: {exc}", FAILED
                 pickled = pickle.dumps(described, protocol=pickle.HIGHEST_PROTOCOL)
                 end = s * self.stride + self.stride
                 self.mm[end - len(pickled): end] = pickled
                 h[2] = len(pickled)
-                h[0] = DONE
+                h[0] = state
                 self.ready.release()
 
     def _into_slot(self, samples: list[Any], at: int) -> Any:
+        end = at + SLOT_BYTES
         if self.collate_fn is None:
             first = samples[0]
             columns = [samples] if isinstance(first, torch.Tensor) else [list(c) for c in zip(*samples)]
             out = []
             for column in columns:
                 t0 = column[0]
+                if not isinstance(t0, torch.Tensor):  # (numbers: torch's collate makes their tensor)
+                    made = torch.utils.data.default_collate(column)
+                    out.append(_tensor_into(made, self.mm, at, end))
+                    at += (made.nbytes + 63) // 64 * 64
+                    continue
+                nbytes = t0.nbytes * len(column)
+                if at + nbytes > end:
+                    raise ValueError(f"a batch of {nbytes} bytes or more does not fit a slot of {SLOT_BYTES}")
                 view = torch.frombuffer(self.mm, dtype=t0.dtype, count=t0.numel() * len(column),
                                         offset=at).view(len(column), *t0.shape)
                 torch.stack(column, out=view)
                 out.append(("t", t0.dtype, tuple(view.shape), at))
                 at += (view.nbytes + 63) // 64 * 64
-            return out[0] if isinstance(first, torch.Tensor) else tuple(out)
+            return out[0] if isinstance(first, torch.Tensor) else out  # (torch's: a list for tuples)
         batch = self.collate_fn(samples)
+        if not isinstance(batch, dict):
+            raise TypeError(f"the bare ring takes a collate_fn that returns a dict, not {type(batch).__name__}")
         described: dict[str, Any] = {}
         for key, value in batch.items():
             if isinstance(value, torch.Tensor):
-                described[key] = _tensor_into(value, self.mm, at)
+                described[key] = _tensor_into(value, self.mm, at, end)
                 at += (value.nbytes + 63) // 64 * 64
             else:
                 described[key] = ("o", value)
@@ -139,14 +159,17 @@ class BareRing:
         for k in range(self.n):
             s = k % self.S
             h = self.hdr[s]
-            while h[0] != DONE:
+            while h[0] != DONE and h[0] != FAILED:
                 self.ready.acquire()
             end = s * self.stride + self.stride
             described = pickle.loads(self.mm[end - int(h[2]): end])
+            if h[0] == FAILED:
+                self.close()
+                raise RuntimeError(f"bare ring worker {s % self.W}, batch {k}: {described}")
             if isinstance(described, dict):
                 yield {key: self._leaf(d) for key, d in described.items()}
-            elif isinstance(described, tuple):
-                yield tuple(self._leaf(d) for d in described)
+            elif isinstance(described, list):
+                yield [self._leaf(d) for d in described]
             else:
                 yield self._leaf(described)
             h[0] = FREE  # (the loop asked for the next batch: it is done with this one)

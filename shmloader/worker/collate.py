@@ -301,8 +301,8 @@ class SlotWriter:
             values = list(batch.values())
         else:
             return None
-        if len(values) != len(stacked) or len(self.leaves) != len(stacked):
-            return None
+        if not stacked or len(values) != len(stacked) or len(self.leaves) != len(stacked):
+            return None  # (an empty container: nothing to stack again)
         return stacked if all(v is c.out for v, c in zip(values, stacked)) else None
 
     def _remember(self, columns: list[_Column], samples_type: type | None, layout: Layout,
@@ -411,9 +411,8 @@ class _Column(NamedTuple):
         (a value out of int64's range: the general way raises torch's own error)."""
         number = self.number
         if (len(samples) != self.n or number is None or _NUMBER_DTYPES.get(number) is not self.dtype
-                or set(map(type, samples)) != {number}):
+                or self.array is None or set(map(type, samples)) != {number}):
             return False
-        assert self.array is not None
         try:
             self.array[...] = samples
         except (OverflowError, ValueError, TypeError):
@@ -518,7 +517,10 @@ def _numbers_into_slot(writer: SlotWriter, collate: Callable[..., torch.Tensor],
         return made
     out = writer.tensor(made.dtype, tuple(made.shape))
     out.copy_(made)
-    writer._stacked.append(_Column(len(batch), torch.Size(()), made.dtype, out, type(batch[0]), out.numpy()))
+    # (numbers of one type only are made again: their dtype has a numpy array; a mix of them
+    # under another default dtype, bfloat16 say, may not)
+    array = out.numpy() if made.dtype in _NUMBER_DTYPES.values() else None
+    writer._stacked.append(_Column(len(batch), torch.Size(()), made.dtype, out, type(batch[0]), array))
     return out
 
 

@@ -186,7 +186,8 @@ def fuzz_lend_lone(native: Any, rng: random.Random, g: Guarded) -> None:
     keys = tuple(f"k{i}" for i in range(count)) if container == 2 else None
     recipe_skeleton = rng.randbytes(rng.randrange(1, 40))
     recipes: dict[bytes, Any] = {recipe_skeleton: (container, count, keys)}
-    if rng.random() < 0.05:  # a malformed recipe
+    malformed = rng.random() < 0.05
+    if malformed:
         recipes[recipe_skeleton] = rng.choice([(container,), (7, count, keys), (2, count, None), "x", (0, "n", None)])
     skeleton = rng.choice([lone, lone, recipe_skeleton, rng.randbytes(len(lone))])
     g.view[data + 1024 : data + 1024 + n] = buf[:n]
@@ -217,13 +218,13 @@ def fuzz_lend_lone(native: Any, rng: random.Random, g: Guarded) -> None:
             lambda a: ("batch", a), max_lent, "u8", recipes)
     try:
         built = native.lend_lone(0, bases, args)
-    except (ValueError, OverflowError, TypeError):
+    except (ValueError, OverflowError, TypeError) as e:
         g.check("lend_lone")
-        assert bases == held
+        assert bases == held and (malformed or not isinstance(e, TypeError)), e
         return
     g.check("lend_lone")
     if built is None:
-        assert bases == held
+        assert bases == held and not made
         return
     batch, nbytes = built
     assert hdr == header and fields[region] == 0 and len(held) < max_lent

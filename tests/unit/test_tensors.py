@@ -334,6 +334,44 @@ def test_labels_unlike_the_last_batch_s_are_collated_the_general_way(label: Any)
         same(torch.utils.data._utils.collate.collate(odd, collate_fn_map=fn_map), want)
 
 
+@pytest.mark.parametrize("samples", [[()] * 4, [[]] * 4, [{}] * 4], ids=["tuples", "lists", "dicts"])
+def test_empty_samples_are_collated_as_torch_collates_them_batch_after_batch(samples: list[Any]) -> None:
+    mm = mmap.mmap(-1, 1 << 16)
+    writer = SlotWriter(mm)
+    fn_map = slot_collate_map(writer)
+    for _ in range(3):
+        writer.begin(4096, 1 << 15)
+        batch = writer.restack(samples)
+        if batch is None:
+            writer.samples_type = type(samples[0])
+            batch = torch.utils.data._utils.collate.collate(samples, collate_fn_map=fn_map)
+            writer.finish(batch)
+        assert batch == default_collate(samples) and type(batch) is type(default_collate(samples))
+
+
+def test_numbers_of_two_types_under_a_default_dtype_numpy_lacks_are_torchs() -> None:
+    """An int, then a float, under torch.set_default_dtype(torch.bfloat16): torch's collate makes
+    one bfloat16 tensor of them; so does the slot's, batch after batch."""
+    samples = [(torch.ones(2), 1), (torch.ones(2), 2.5)]
+    mm = mmap.mmap(-1, 1 << 16)
+    writer = SlotWriter(mm)
+    fn_map = slot_collate_map(writer)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        for _ in range(3):
+            writer.begin(4096, 1 << 15)
+            batch = writer.restack(samples)
+            if batch is None:
+                writer.samples_type = tuple
+                batch = torch.utils.data._utils.collate.collate(samples, collate_fn_map=fn_map)
+                writer.finish(batch)
+            same(batch, default_collate(samples))
+            assert batch[1].dtype == torch.bfloat16
+    finally:
+        torch.set_default_dtype(before)
+
+
 def test_restack_leaves_a_user_s_collate_entry_for_containers_alone() -> None:
     """A collate map entry of the user's for tuples (``default_collate_fn_map`` extended) is called
     for every batch: such samples are not stacked again in one step."""
