@@ -5,8 +5,8 @@ exist in the code before).
 
     git worktree add /tmp/before REV && (cd /tmp/before && python setup.py build_ext --inplace)
     for r in 1 2; do for d in /tmp/before .; do
-        PYTHONPATH=$d python bench/before_after.py 6000 pairs tensor-pairs tiny
-        PYTHONPATH=$d python bench/before_after.py 2000 memmap varlen
+        PYTHONPATH=$d python bench/before_after.py --batches 6000 pairs tensor-pairs tiny
+        PYTHONPATH=$d python bench/before_after.py --batches 2000 memmap varlen
     done; done
 
 Workloads: ``pairs`` (64 x (uint8[3,32,32], a Python int): torchvision's (image, class)),
@@ -18,7 +18,7 @@ the workers' CPU µs a batch.
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 from typing import Any
 
@@ -66,5 +66,8 @@ def measure(name: str, batches: int) -> str:
 
 
 if __name__ == "__main__":
-    batches = int(sys.argv[1])
-    print(shmloader.__file__, "|", " | ".join(measure(name, batches) for name in sys.argv[2:]), flush=True)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", type=int, default=2000, help="measured batches a workload (after %d warm)" % WARM)
+    p.add_argument("workloads", nargs="+", help="pairs, tensor-pairs, or a workload of shmloader bench")
+    a = p.parse_args()
+    print(shmloader.__file__, "|", " | ".join(measure(name, a.batches) for name in a.workloads), flush=True)
