@@ -8,6 +8,9 @@ intermediate batch tensor exists. Whatever else the batch holds (a custom
 skeleton is pickled: the pickler's ``persistent_id`` turns every tensor and numpy
 array into a leaf of the slot, so only metadata is pickled.
 
+A batch of the default collate like the last one at its slot is made again in one step
+(``SlotWriter.restack``, whose plans ``worker.restack`` holds).
+
 When a batch does not fit, the writer keeps measuring and reports the bytes it needed:
 the default collate still stacks into private memory (those tensors are the batch), but
 what would be copied in is not copied (a later writer copies it from the batch). A writer
@@ -21,7 +24,7 @@ import io
 import math
 import operator
 import pickle
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -43,6 +46,7 @@ from shmloader.wire.layout import (
     table_bytes,
     view_leaf,
 )
+from shmloader.worker.restack import NUMBER_DTYPES, Column, Layout, Restack
 
 Leaf = tuple[int, int, int, tuple[int, ...]]  # (dtype code, kind, offset, shape)
 # A tensor viewing a leaf's storage: (VIEW, leaf, dtype name, storage offset, size, stride, number);
@@ -68,7 +72,7 @@ class SlotWriter:
         # (data offset, bytes used, leaf) -> layout of a one-leaf batch's skeleton and table (_finish_lone)
         self._lone: dict[tuple[int, int, Leaf], Layout] = {}
         # data offset -> how the last batch of the default collate was stacked there (restack)
-        self._stacks: dict[int, _Restack] = {}
+        self._stacks: dict[int, Restack] = {}
         # Set before a batch of the default collate is collated: its samples' type (a batch
         # ``restack`` may stack again is remembered by ``finish``); None: nothing remembered
         self.samples_type: type | None = None
@@ -84,7 +88,7 @@ class SlotWriter:
         # A storage (its _cdata; _keep keeps it alive) -> (first byte, end, leaf) of the leaves of its bytes
         self._storages: dict[int, list[tuple[int, int, int]]] = {}
         self._keep: list[object] = []
-        self._stacked: list[_Column] = []  # what _stack_into_slot stacked into the slot, in order
+        self._stacked: list[Column] = []  # what _stack_into_slot stacked into the slot, in order
         # (mapping, offset, capacity) where finish writes the batch's description (skeleton,
         # leaf table, dataset state), at offsets from there; None: after the leaves
         self._description: tuple[Any, int, int] | None = None
@@ -289,7 +293,7 @@ class SlotWriter:
         self._keep.clear()
         return needed
 
-    def _columns_of(self, batch: object) -> list[_Column] | None:
+    def _columns_of(self, batch: object) -> list[Column] | None:
         """The columns of a batch the default collate made of samples of ``samples_type`` (a
         tuple, list or dict whose items are tensors), when its leaves are exactly the tensors
         ``_stack_into_slot`` stacked into the slot, in order: ``restack`` may stack the next
@@ -305,13 +309,13 @@ class SlotWriter:
             return None  # (an empty container: nothing to stack again)
         return stacked if all(v is c.out for v, c in zip(values, stacked)) else None
 
-    def _remember(self, columns: list[_Column], samples_type: type | None, layout: Layout,
+    def _remember(self, columns: list[Column], samples_type: type | None, layout: Layout,
                   batch: object = None) -> None:
         assert samples_type is not None
         if len(self._stacks) >= _VIEW_CACHE:
             self._stacks.clear()
         keys = tuple(batch) if type(batch) is dict else None
-        self._stacks[self.data_off] = _Restack(tuple(columns), samples_type, keys, self.used, layout)
+        self._stacks[self.data_off] = Restack(tuple(columns), samples_type, keys, self.used, layout)
 
     def _finish_lone(self, leaf: Leaf, batch: object) -> int:
         """``finish`` for a batch that is one leaf, without a dataset state: the skeleton and
@@ -361,96 +365,12 @@ class SlotWriter:
         plan = self._stacks.get(self.data_off)
         if plan is None or plan.layout[4] > self.capacity:
             return None
-        batch = plan.stack(samples)
+        batch = plan.stack(samples, _stack_into)
         if batch is None:
             return None
         self.used = plan.used
         self._write_layout(plan.layout)
         return batch
-
-
-# Where finish wrote a batch's skeleton and leaf table: (skeleton offset, its length, table
-# offset, its length, the bytes the batch needs, the block of both as written)
-Layout = tuple[int, int, int, int, int, bytes]
-
-
-class _Column(NamedTuple):
-    """How one column of a batch (its samples' tensors, or numbers) went into the slot: stacked
-    by ``_stack_into_slot``, or made a tensor by ``_numbers_into_slot``."""
-
-    n: int  # samples
-    shape: torch.Size  # of a sample
-    dtype: torch.dtype
-    out: torch.Tensor  # the slot's view they were stacked into
-    number: type | None = None  # numbers: their type (int, float, bool), and out as an array
-    array: np.ndarray[Any, Any] | None = None
-
-    def stack(self, samples: Any) -> bool:
-        """Stack ``samples`` into ``out`` again: one memcpy each (plain tensors), or
-        ``torch.stack`` when they are tensors like the planned ones (sample shape, dtype);
-        numbers as torch's collate makes them a tensor. False, when they are not (the general
-        way then collates them, and writes the slot again)."""
-        if self.number is not None:
-            return self._numbers(samples)
-        if _stack_into is not None and _stack_into(samples, self.out):
-            return True
-        elem = samples[0]
-        if (len(samples) != self.n or type(elem) is not torch.Tensor or elem.shape != self.shape or elem.is_nested
-                or elem.layout is not _STRIDED or not elem.is_cpu):
-            return False
-        try:
-            if _native.same_attr(samples, "dtype") is not self.dtype:
-                return False
-            return torch.stack(samples, 0, out=self.out) is self.out  # (a subclass may make another object)
-        except (RuntimeError, AttributeError):
-            return False  # unequal shapes, a number among tensors: the general way raises torch's own error
-
-    def _numbers(self, samples: Any) -> bool:
-        """Numbers all of the planned type, written as torch's collate makes them a tensor (of
-        ints int64, of floats float64, of bools bool): numpy converts each exactly, or raises
-        (a value out of int64's range: the general way raises torch's own error)."""
-        number = self.number
-        if (len(samples) != self.n or number is None or _NUMBER_DTYPES.get(number) is not self.dtype
-                or self.array is None or set(map(type, samples)) != {number}):
-            return False
-        try:
-            self.array[...] = samples
-        except (OverflowError, ValueError, TypeError):
-            return False
-        return True
-
-
-class _Restack(NamedTuple):
-    """How the default collate stacked the last batch at a slot (``SlotWriter.restack``)."""
-
-    columns: tuple[_Column, ...]
-    samples_type: type  # tuple, list or dict; or torch.Tensor, int, float (the batch is its one column)
-    keys: tuple[str, ...] | None  # a dict's
-    used: int
-    layout: Layout
-
-    def stack(self, samples: list[Any]) -> Any:
-        """The batch of ``samples`` stacked into the columns' views, as default_collate makes it
-        of samples like the planned ones; None for any others (nothing that matters written)."""
-        elem, columns = samples[0], self.columns
-        if type(elem) is not self.samples_type:
-            return None
-        if self.samples_type is torch.Tensor or self.samples_type is columns[0].number:  # (the batch is one column)
-            return columns[0].out if columns[0].stack(samples) else None
-        keys = self.keys
-        try:
-            if keys is None:  # (default_collate raises for samples of unequal lengths: the general way)
-                transposed: list[Any] = list(zip(*samples, strict=True))
-            elif tuple(samples[0]) == keys and set(map(type, samples[0])) == {str}:  # (a dict, as samples_type says)
-                transposed = [[d[key] for d in samples] for key in keys]
-            else:
-                return None
-        except (ValueError, TypeError, KeyError):
-            return None
-        if len(transposed) != len(columns) or not all(c.stack(t) for c, t in zip(columns, transposed)):
-            return None
-        outs = [c.out for c in columns]
-        return outs if keys is None else dict(zip(keys, outs))
 
 
 class _LeafPickler(pickle.Pickler):
@@ -503,7 +423,7 @@ def _stack_into_slot(
         except RuntimeError:
             return torch.stack(batch, 0)  # unequal shapes: torch's own error, as default_collate raises
     if stacked is out:  # (a tensor subclass's __torch_function__ may return another object)
-        writer._stacked.append(_Column(len(batch), shape, dtype, out))
+        writer._stacked.append(Column(len(batch), shape, dtype, out))
     return stacked
 
 
@@ -519,13 +439,10 @@ def _numbers_into_slot(writer: SlotWriter, collate: Callable[..., torch.Tensor],
     out.copy_(made)
     # (numbers of one type only are made again: their dtype has a numpy array; a mix of them
     # under another default dtype, bfloat16 say, may not)
-    array = out.numpy() if made.dtype in _NUMBER_DTYPES.values() else None
-    writer._stacked.append(_Column(len(batch), torch.Size(()), made.dtype, out, type(batch[0]), array))
+    array = out.numpy() if made.dtype in NUMBER_DTYPES.values() else None
+    writer._stacked.append(Column(len(batch), torch.Size(()), made.dtype, out, type(batch[0]), array))
     return out
 
-
-# The dtype torch's collate gives numbers all of one type (torch.tensor of ints, of bools; floats as float64)
-_NUMBER_DTYPES = {int: torch.int64, float: torch.float64, bool: torch.bool}
 
 
 def _torch_collate_tensor(batch: list[Any], collate_fn_map: dict[Any, Callable[..., Any]] | None) -> torch.Tensor:
