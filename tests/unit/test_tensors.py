@@ -237,6 +237,19 @@ def test_a_non_tensor_out_is_a_type_error() -> None:
         stack_into([torch.zeros(2)], [torch.zeros(2)])  # type: ignore[arg-type]
 
 
+def made(writer: SlotWriter, fn_map: dict[Any, Any], samples: list[Any]) -> tuple[Any, bool]:
+    """One batch at the writer's slot as a worker makes it: in one step when ``restack`` can
+    (True), else the general way (its columns remembered for the next one)."""
+    writer.begin(4096, 1 << 15)
+    batch = writer.restack(samples)
+    if batch is not None:
+        return batch, True
+    writer.samples_type = type(samples[0])
+    batch = torch.utils.data._utils.collate.collate(samples, collate_fn_map=fn_map)
+    writer.finish(batch)
+    return batch, False
+
+
 @pytest.mark.parametrize("fast", [True, False], ids=["stack_into", "torch.stack"])
 @pytest.mark.parametrize(
     "samples",
@@ -259,12 +272,7 @@ def test_collate_into_a_slot_equals_default_collate_with_and_without_it(
     writer = SlotWriter(mm)
     fn_map = slot_collate_map(writer)
     for _ in range(3):  # the first batch the general way, the next ones restack's
-        writer.begin(4096, 1 << 15)
-        batch = writer.restack(samples)
-        if batch is None:
-            writer.samples_type = type(samples[0])
-            batch = torch.utils.data._utils.collate.collate(samples, collate_fn_map=fn_map)
-            writer.finish(batch)
+        batch, _ = made(writer, fn_map, samples)
         same(batch, default_collate(samples))
     if fast:  # plain samples went through stack_into; the transposed and mixed ones through torch.stack
         plain = isinstance(samples[0], dict) or samples[0].is_contiguous() and samples[0].dtype == samples[1].dtype
@@ -296,13 +304,8 @@ def test_a_batch_like_the_last_one_at_its_slot_is_stacked_again_in_one_step(
     fn_map = slot_collate_map(writer)
     restacked, described = [], []
     for _ in range(3):
-        writer.begin(4096, 1 << 15)
-        batch = writer.restack(samples)
-        restacked.append(batch is not None)
-        if batch is None:
-            writer.samples_type = type(samples[0])
-            batch = torch.utils.data._utils.collate.collate(samples, collate_fn_map=fn_map)
-            writer.finish(batch)
+        batch, again = made(writer, fn_map, samples)
+        restacked.append(again)
         same(batch, default_collate(samples))
         at, end = 4096 + writer.pickled_off, 4096 + writer.table_off + writer.table_len
         described.append((writer.pickled_off, writer.pickled_len, writer.table_off, writer.table_len,
@@ -340,12 +343,7 @@ def test_empty_samples_are_collated_as_torch_collates_them_batch_after_batch(sam
     writer = SlotWriter(mm)
     fn_map = slot_collate_map(writer)
     for _ in range(3):
-        writer.begin(4096, 1 << 15)
-        batch = writer.restack(samples)
-        if batch is None:
-            writer.samples_type = type(samples[0])
-            batch = torch.utils.data._utils.collate.collate(samples, collate_fn_map=fn_map)
-            writer.finish(batch)
+        batch, _ = made(writer, fn_map, samples)
         assert batch == default_collate(samples) and type(batch) is type(default_collate(samples))
 
 
@@ -360,12 +358,7 @@ def test_numbers_of_two_types_under_a_default_dtype_numpy_lacks_are_torchs() -> 
     torch.set_default_dtype(torch.bfloat16)
     try:
         for _ in range(3):
-            writer.begin(4096, 1 << 15)
-            batch = writer.restack(samples)
-            if batch is None:
-                writer.samples_type = tuple
-                batch = torch.utils.data._utils.collate.collate(samples, collate_fn_map=fn_map)
-                writer.finish(batch)
+            batch, _ = made(writer, fn_map, samples)
             same(batch, default_collate(samples))
             assert batch[1].dtype == torch.bfloat16
     finally:
