@@ -5,7 +5,8 @@ the view ``_native.lend_lone`` builds one-tensor batches with, overflow grants, 
 stager) and keeps the batches that came pickled over a worker's pipe. A batch is, in order of
 preference:
 
-- one tensor in its slot: built and lent in one native call (``lend_lone``);
+- one tensor in its slot, or a list, tuple or dict of them whose skeleton ``read_batch`` learnt
+  (``lease.RECIPES``): built and lent in one native call (``lend_lone``);
 - views of its slot (``read_batch``), lent until its last view dies or ``release()``;
 - views of its own overflow memory: the slot is free at once, the memory once the batch dies;
 - a copy, when lending the slot would leave a worker without a slot (the user holds the rest
@@ -110,7 +111,7 @@ class Delivery:
     def deliver(self, scope: RingScope, slot: int) -> Any:
         """The batch of ``slot``, just taken (LENT)."""
         if scope.lone is not None:  # (it checks the header: a piped or overflow batch is left alone)
-            built = _native.lend_lone(slot, scope.leases.bases, scope.lone)  # one tensor in its slot: one call
+            built = _native.lend_lone(slot, scope.leases.bases, scope.lone)  # one tensor, or a recipe's: one call
             if built is not None:
                 if self.consumed is not None:
                     self.delivered(self.note(scope, slot))

@@ -444,7 +444,6 @@ def _numbers_into_slot(writer: SlotWriter, collate: Callable[..., torch.Tensor],
     return out
 
 
-
 def _torch_collate_tensor(batch: list[Any], collate_fn_map: dict[Any, Callable[..., Any]] | None) -> torch.Tensor:
     """torch's own ``collate_tensor_fn`` (as its workers run it), for samples that are not all
     tensors, or nested or sparse ones: what torch's workers refuse fails with their exception
