@@ -363,8 +363,8 @@ def copy_out(tensor: torch.Tensor) -> torch.Tensor | None:
 def lone_args(ring: Ring, most_lent: int) -> tuple[Any, ...]:
     """What ``_native.lend_lone`` needs of ``ring``: ``read_batch``'s common cases (a batch that is
     one tensor in its slot, or a list, tuple or dict of them: ``RECIPES``) and ``Leases.lend`` in
-    one call, while fewer than ``most_lent``
-    slots are lent (else the caller decides whether to copy: see ``RingScope.most_lent``)."""
+    one call, while fewer than ``most_lent`` slots are lent (else the caller decides whether to
+    copy: see ``RingScope.most_lent``)."""
     return (ring.mm, ring.header_offsets, ring.data_offsets, ring.geometry.data_bytes, LONE_LEAF, int(_REGION),
             _SLOT, _TENSOR, NP_DTYPES, _NUMPY_MAX_NDIM, np.ndarray, torch.from_numpy, most_lent, _U8, RECIPES)
 
