@@ -46,7 +46,7 @@ from shmloader.wire.layout import (
     table_bytes,
     view_leaf,
 )
-from shmloader.worker.restack import NUMBER_DTYPES, Column, Layout, Restack
+from shmloader.worker.restack import Column, Layout, Restack, numbers_into_slot
 
 Leaf = tuple[int, int, int, tuple[int, ...]]  # (dtype code, kind, offset, shape)
 # A tensor viewing a leaf's storage: (VIEW, leaf, dtype name, storage offset, size, stride, number);
@@ -88,7 +88,7 @@ class SlotWriter:
         # A storage (its _cdata; _keep keeps it alive) -> (first byte, end, leaf) of the leaves of its bytes
         self._storages: dict[int, list[tuple[int, int, int]]] = {}
         self._keep: list[object] = []
-        self._stacked: list[Column] = []  # what _stack_into_slot stacked into the slot, in order
+        self.stacked: list[Column] = []  # the columns stacked or written into the slot, in order (restack)
         # (mapping, offset, capacity) where finish writes the batch's description (skeleton,
         # leaf table, dataset state), at offsets from there; None: after the leaves
         self._description: tuple[Any, int, int] | None = None
@@ -298,7 +298,7 @@ class SlotWriter:
         tuple, list or dict whose items are tensors), when its leaves are exactly the tensors
         ``_stack_into_slot`` stacked into the slot, in order: ``restack`` may stack the next
         such batch into the same views, and write the same skeleton and leaf table."""
-        stacked = self._stacked
+        stacked = self.stacked
         if type(batch) is list and self.samples_type in (tuple, list):
             values: list[object] = batch
         elif type(batch) is dict and self.samples_type is dict and all(type(k) is str for k in batch):
@@ -335,7 +335,7 @@ class SlotWriter:
             layout = self._lone[key] = (pickled_off, len(LONE_LEAF), table_off, len(table),
                                         round_up(table_off + len(table), 8), block)
         needed = self._write_layout(layout)
-        stacked = self._stacked
+        stacked = self.stacked
         if self.fits and len(stacked) == 1 and stacked[0].out is batch:
             self._remember(stacked, stacked[0].number or torch.Tensor, layout)
         return needed
@@ -423,25 +423,8 @@ def _stack_into_slot(
         except RuntimeError:
             return torch.stack(batch, 0)  # unequal shapes: torch's own error, as default_collate raises
     if stacked is out:  # (a tensor subclass's __torch_function__ may return another object)
-        writer._stacked.append(Column(len(batch), shape, dtype, out))
+        writer.stacked.append(Column(len(batch), shape, dtype, out))
     return stacked
-
-
-def _numbers_into_slot(writer: SlotWriter, collate: Callable[..., torch.Tensor], batch: list[Any], *,
-                       collate_fn_map: dict[Any, Callable[..., Any]] | None = None) -> torch.Tensor:
-    """torch's ``collate_int_fn`` or ``collate_float_fn`` (a tensor of the numbers), its tensor
-    written into the slot, so that a batch's labels are a column ``SlotWriter.restack`` makes
-    again as it stacks the batch's tensors."""
-    made = collate(batch, collate_fn_map=collate_fn_map)
-    if type(made) is not torch.Tensor or made.dtype not in CODE_OF_DTYPE:
-        return made
-    out = writer.tensor(made.dtype, tuple(made.shape))
-    out.copy_(made)
-    # (numbers of one type only are made again: their dtype has a numpy array; a mix of them
-    # under another default dtype, bfloat16 say, may not)
-    array = out.numpy() if made.dtype in NUMBER_DTYPES.values() else None
-    writer._stacked.append(Column(len(batch), torch.Size(()), made.dtype, out, type(batch[0]), array))
-    return out
 
 
 def _torch_collate_tensor(batch: list[Any], collate_fn_map: dict[Any, Callable[..., Any]] | None) -> torch.Tensor:
@@ -461,5 +444,5 @@ def slot_collate_map(writer: SlotWriter) -> dict[Any, Callable[..., Any]]:
         fn_map[torch.Tensor] = functools.partial(_stack_into_slot, writer)
     for kind, numbers in ((int, torch_collate.collate_int_fn), (float, torch_collate.collate_float_fn)):
         if fn_map.get(kind) is numbers:
-            fn_map[kind] = functools.partial(_numbers_into_slot, writer, numbers)
+            fn_map[kind] = functools.partial(numbers_into_slot, writer, numbers)
     return fn_map

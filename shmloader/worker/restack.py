@@ -11,12 +11,16 @@ raises torch's error.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import numpy as np
 import torch
 
 from shmloader import _native
+from shmloader.wire.layout import CODE_OF_DTYPE
+
+if TYPE_CHECKING:
+    from shmloader.worker.collate import SlotWriter
 
 # Where finish wrote a batch's skeleton and leaf table: (skeleton offset, its length, table
 # offset, its length, the bytes the batch needs, the block of both as written)
@@ -29,7 +33,7 @@ _STRIDED = torch.strided
 
 class Column(NamedTuple):
     """How one column of a batch (its samples' tensors, or numbers) went into the slot: stacked
-    by ``collate._stack_into_slot``, or made a tensor by ``collate._numbers_into_slot``."""
+    by ``collate._stack_into_slot``, or made a tensor by ``numbers_into_slot``."""
 
     n: int  # samples
     shape: torch.Size  # of a sample
@@ -104,3 +108,21 @@ class Restack(NamedTuple):
             return None
         outs = [c.out for c in columns]
         return outs if keys is None else dict(zip(keys, outs))
+
+
+def numbers_into_slot(writer: SlotWriter, collate: Callable[..., torch.Tensor], batch: list[Any], *,
+                      collate_fn_map: dict[Any, Callable[..., Any]] | None = None) -> torch.Tensor:
+    """The collate map's int and float entry (``collate.slot_collate_map``): torch's
+    ``collate_int_fn`` or ``collate_float_fn`` (a tensor of the numbers), its tensor written
+    into the slot, so that a batch's labels are a column ``SlotWriter.restack`` makes again as
+    it stacks the batch's tensors."""
+    made = collate(batch, collate_fn_map=collate_fn_map)
+    if type(made) is not torch.Tensor or made.dtype not in CODE_OF_DTYPE:
+        return made
+    out = writer.tensor(made.dtype, tuple(made.shape))
+    out.copy_(made)
+    # (numbers of one type only are made again: their dtype has a numpy array; a mix of them
+    # under another default dtype, bfloat16 say, may not)
+    array = out.numpy() if made.dtype in NUMBER_DTYPES.values() else None
+    writer.stacked.append(Column(len(batch), torch.Size(()), made.dtype, out, type(batch[0]), array))
+    return out
