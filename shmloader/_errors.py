@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import sys
+import warnings
 from types import FrameType
 from typing import Callable, NoReturn
 
@@ -156,3 +157,15 @@ def user_stacklevel() -> int:
     while frame is not None and frame.f_code.co_filename.startswith((_PACKAGE, torch_data)):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def warn_iterable_len(dataset: object, said: int, fetched: int) -> None:
+    """torch's warning, at the user's line, when an IterableDataset yields more than its
+    ``len()`` said (its loader's text with workers)."""
+    warnings.warn(
+        f"Length of IterableDataset {dataset} was reported to be {said}(when accessing len(dataloader)), but "
+        f"{fetched} samples have been fetched. For multiprocessing data-loading, this could be caused by not "
+        "properly configuring the IterableDataset replica at each worker. Please see "
+        "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset for examples.",
+        stacklevel=user_stacklevel(),
+    )

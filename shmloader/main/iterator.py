@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import pickle
 import time
-import warnings
 from typing import Any, Callable, Generator
 
 import torch
@@ -35,7 +34,13 @@ import torch.autograd.profiler as _profiler
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from shmloader import _checkpoint, _sampler_position, _state_layout
-from shmloader._errors import CorruptSlotError, StopCarrier, WorkerReplacedWarning, raise_worker_error
+from shmloader._errors import (
+    CorruptSlotError,
+    StopCarrier,
+    WorkerReplacedWarning,
+    raise_worker_error,
+    warn_iterable_len,
+)
 from shmloader._stats import Counters, RingOccupancy, occupancy
 from shmloader._torch_private import is_iterable, iterator_parts
 from shmloader.main.delivery import Delivery
@@ -307,13 +312,17 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
     # --------------------------------------------------------------- sync
     def __next__(self) -> Any:
         if _profiler._is_profiler_enabled:
-            return super().__next__()  # torch's, in its record_function scope
-        # torch's __next__ without the record_function scope, which costs more than a small
-        # batch's whole transport when no profiler is listening.
-        data = self._next_data()
+            with _profiler.record_function(self._profile_name):  # torch's scope, when a profiler listens
+                return self._yielded(self._next_data())
+        # (the scope costs more than a small batch's whole transport when no profiler listens)
+        return self._yielded(self._next_data())
+
+    def _yielded(self, data: Any) -> Any:
+        """``data`` leaves ``next()`` (or ``anext()``): torch's count and an IterableDataset's
+        length warning, then the step a snapshot every n steps counts."""
         self._num_yielded += 1
-        if self._iterable and self._IterableDataset_len_called is not None:
-            self._warn_len()
+        if self._iterable and (said := self._IterableDataset_len_called) is not None and self._num_yielded > said:
+            warn_iterable_len(self._dataset, said, self._num_yielded)
         if self._every != 1:
             self._snapshots.stepped(self, self._num_yielded + self._failed_batches)
         return data
@@ -348,18 +357,6 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
             self.finished = True
             raise StopIteration
         return result
-
-    def _warn_len(self) -> None:
-        """torch's warning when an IterableDataset yields more than its ``len()`` said."""
-        said = self._IterableDataset_len_called
-        if said is not None and self._num_yielded > said:
-            warnings.warn(
-                f"Length of IterableDataset {self._dataset} was reported to be "
-                f"{self._IterableDataset_len_called}(when accessing len(dataloader)), but "
-                f"{self._num_yielded} samples have been fetched. For multiprocessing data-loading, this "
-                "could be caused by not properly configuring the IterableDataset replica at each worker.",
-                stacklevel=3,
-            )
 
     def _failed(self, exc: BaseException) -> StopIteration | None:
         """``exc`` leaves ``next()``: one batch's error leaves the loader running; anything else
@@ -404,12 +401,7 @@ class RingIterator(RingCheckpoint, _BaseDataLoaderIter):
             self._counters.epoch_ended()
             self.finished = True
             raise StopAsyncIteration
-        self._num_yielded += 1
-        if self._iterable and self._IterableDataset_len_called is not None:
-            self._warn_len()
-        if self._every != 1:
-            self._snapshots.stepped(self, self._num_yielded + self._failed_batches)
-        return result
+        return self._yielded(result)
 
     # ------------------------------------------------- the user's view
     def release(self, batch: Any) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import warnings
 from typing import Any
 
 import numpy as np
@@ -311,3 +312,88 @@ def test_one_tensor_batches_equal_torchs_whether_dropped_or_kept(dtype: torch.dt
         assert calls["built"] == 0 and calls["left"] > 0
     else:
         assert calls["built"] >= 2 * len(want)  # every dropped batch (the first of an epoch may come another way)
+
+
+class _Pairs(tud.Dataset):  # type: ignore[type-arg]
+    """(image, class) as torchvision's datasets return them: a tensor seeded by the index, an int."""
+
+    def __len__(self) -> int:
+        return 203
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.randint(0, 256, (3, 4, 4), dtype=torch.uint8, generator=torch.Generator().manual_seed(i)), i % 10
+
+
+def test_pair_batches_equal_torchs_and_are_built_in_one_native_call(monkeypatch: Any) -> None:
+    """(image, class) samples: torch's list of two tensors, bit for bit and in order, over
+    persistent epochs; after the first batches (their skeleton learnt) each is built and lent by
+    ``lend_lone``'s recipe, and made again in one step by its worker."""
+    calls: collections.Counter[str] = collections.Counter()
+    lend_lone = _native.lend_lone
+
+    def counted(slot: int, bases: dict[int, Any], lone: tuple[Any, ...]) -> Any:
+        built = lend_lone(slot, bases, lone)
+        calls["built" if built is not None else "left"] += 1
+        return built
+
+    monkeypatch.setattr(_native, "lend_lone", counted)
+    want = list(tud.DataLoader(_Pairs(), batch_size=8))
+    loader = shmloader.DataLoader(_Pairs(), batch_size=8, num_workers=2, persistent_workers=True)
+    try:
+        for _ in range(2):
+            got = [[t.clone() for t in batch] for batch in loader]
+            assert all(type(b) is list for b in got)
+            same(got, want)
+    finally:
+        loader._iterator._shutdown_workers()
+    assert calls["built"] >= 2 * len(want) - 8  # (the first batch of each slot comes the general way)
+
+
+def test_an_iterable_dataset_longer_than_its_len_warns_as_torchs_loader_does() -> None:
+    """torch's warning, word for word, once per batch past ``len()``, at the caller's line."""
+
+    class Longer(Shards):
+        def __len__(self) -> int:
+            return 4  # (torch compares it with the batches yielded: 6 of 2 samples)
+
+    dataset = Longer(12)
+
+    def warned(loader: Any) -> list[tuple[str, str]]:
+        len(loader)  # (what makes torch's loader compare: _IterableDataset_len_called)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in loader:
+                pass
+        return [(str(w.message), w.filename) for w in caught if "Length of IterableDataset" in str(w.message)]
+
+    theirs = warned(tud.DataLoader(dataset, batch_size=2, num_workers=2))
+    ours = warned(shmloader.DataLoader(dataset, batch_size=2, num_workers=2))
+    assert theirs and [m for m, _ in ours] == [m for m, _ in theirs]
+    assert {f for _, f in ours} == {__file__}
+
+
+def test_under_the_profiler_batches_and_snapshots_are_as_without_it() -> None:
+    """With a profiler listening, ``next()`` runs in torch's record_function scope (named as
+    torch names it), and the batches, and a state taken every n steps, are those of a run
+    without it."""
+    def run(profiled: bool) -> tuple[list[Any], Any, list[Any]]:
+        loader = shmloader.DataLoader(Range(40), batch_size=2, num_workers=2, snapshot_every_n_steps=3)
+        it = iter(loader)
+        if profiled:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                got = [next(it) for _ in range(5)]
+            names = {e.name for e in prof.events()}
+            assert f"enumerate(DataLoader)#{type(it).__name__}.__next__" in names
+        else:
+            got = [next(it) for _ in range(5)]
+        state = loader.state_dict()
+        del it
+        again = shmloader.DataLoader(Range(40), batch_size=2, num_workers=2, snapshot_every_n_steps=3)
+        again.load_state_dict(state)
+        # (torchdata's: the snapshot at step 3, two steps since)
+        return got, (state["_snapshot"]["_snapshot_step"], state["_steps_since_snapshot"]), list(again)
+
+    plain, profiled = run(False), run(True)
+    same(profiled[0], plain[0])
+    assert profiled[1] == plain[1] == (3, 2)
+    same(profiled[2], plain[2])
