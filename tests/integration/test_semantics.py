@@ -280,12 +280,8 @@ def test_tasks_prefetched_during_the_step_match_torch(prefetch_factor: int) -> N
     assert ahead(shmloader.DataLoader, True, prefetch_factor)[1:] == [2 * prefetch_factor - 1] * 11
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.uint8, torch.bfloat16])
-def test_one_tensor_batches_equal_torchs_whether_dropped_or_kept(dtype: torch.dtype, monkeypatch: Any) -> None:
-    """The common batch, one tensor, is built and lent by one native call (``lend_lone``; bfloat16,
-    which numpy lacks, by read_batch). Its batches equal torch's bit for bit and in order, over
-    persistent epochs whose batches the loop drops (their slots come back) and one that keeps
-    every batch (the ring's last slot then holds copies)."""
+def counted_lends(monkeypatch: Any) -> collections.Counter[str]:
+    """What ``_native.lend_lone`` answered, from here on: "built" or "left" (to read_batch)."""
     calls: collections.Counter[str] = collections.Counter()
     lend_lone = _native.lend_lone
 
@@ -295,6 +291,16 @@ def test_one_tensor_batches_equal_torchs_whether_dropped_or_kept(dtype: torch.dt
         return built
 
     monkeypatch.setattr(_native, "lend_lone", counted)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.uint8, torch.bfloat16])
+def test_one_tensor_batches_equal_torchs_whether_dropped_or_kept(dtype: torch.dtype, monkeypatch: Any) -> None:
+    """The common batch, one tensor, is built and lent by one native call (``lend_lone``; bfloat16,
+    which numpy lacks, by read_batch). Its batches equal torch's bit for bit and in order, over
+    persistent epochs whose batches the loop drops (their slots come back) and one that keeps
+    every batch (the ring's last slot then holds copies)."""
+    calls = counted_lends(monkeypatch)
     dataset = Noise(203, (5, 7), dtype)
     want = list(tud.DataLoader(dataset, batch_size=8))
     loader = shmloader.DataLoader(dataset, batch_size=8, num_workers=2, persistent_workers=True)
@@ -328,15 +334,7 @@ def test_pair_batches_equal_torchs_and_are_built_in_one_native_call(monkeypatch:
     """(image, class) samples: torch's list of two tensors, bit for bit and in order, over
     persistent epochs; after the first batches (their skeleton learnt) each is built and lent by
     ``lend_lone``'s recipe, and made again in one step by its worker."""
-    calls: collections.Counter[str] = collections.Counter()
-    lend_lone = _native.lend_lone
-
-    def counted(slot: int, bases: dict[int, Any], lone: tuple[Any, ...]) -> Any:
-        built = lend_lone(slot, bases, lone)
-        calls["built" if built is not None else "left"] += 1
-        return built
-
-    monkeypatch.setattr(_native, "lend_lone", counted)
+    calls = counted_lends(monkeypatch)
     want = list(tud.DataLoader(_Pairs(), batch_size=8))
     loader = shmloader.DataLoader(_Pairs(), batch_size=8, num_workers=2, persistent_workers=True)
     try:
